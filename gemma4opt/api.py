@@ -1,0 +1,179 @@
+"""optimize(): check the model, prepare patterns, install the compiled forward on this instance."""
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+import types
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+import gemma4opt.ops  # noqa: F401  (registers torch.ops.gemma4opt.*)
+from gemma4opt.compiler.backend import make_backend
+from gemma4opt.compiler.pass_manager import PassManager, PatternStats
+from gemma4opt.compiler.pattern import PassContext
+from gemma4opt.config import Gemma4OptConfig
+from gemma4opt.patterns import build_patterns
+
+SUPPORTED_CLASSES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DEVICES = ("cpu", "cuda")
+# Per-call features the captured graph does not cover: these calls run HF's own forward.
+_FALLBACK_KWARGS = ("output_attentions", "output_hidden_states", "output_router_logits", "labels",
+                    "return_shared_kv_states")
+
+
+_entry_ids = itertools.count()
+# Graphs per optimized model: prefill + decode (+ sliding-cache strides) per cache kind, with
+# and without an attention mask. Dynamo's default (8) is too tight for that; raise, never lower.
+_RECOMPILE_LIMIT = 32
+
+
+@dataclass
+class OptimizationState:
+    """Everything gemma4opt knows about one optimized model; lives at ``model._gemma4opt``."""
+
+    config: Gemma4OptConfig
+    model_class: str
+    scope: str
+    target_path: str
+    text_config: object
+    stats: dict[str, PatternStats] = field(default_factory=dict)
+    graphs_compiled: int = 0
+    compiled_calls: int = 0
+    fallbacks: collections.Counter = field(default_factory=collections.Counter)
+    disabled_reason: str | None = None
+    pass_manager: PassManager | None = None
+    original_forward: object = None
+    compiled_forward: object = None
+
+
+def _check_model(model) -> torch.nn.Module:
+    cls = type(model).__name__
+    if cls not in SUPPORTED_CLASSES or not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"gemma4opt.optimize: got a {type(model).__module__}.{cls}; supported: "
+            f"transformers {' and '.join(SUPPORTED_CLASSES)} (Gemma-4 text generation models)"
+        )
+    param = next(model.parameters(), None)
+    if param is None:
+        raise ValueError("gemma4opt.optimize: the model has no parameters")
+    if param.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"gemma4opt.optimize: model dtype {param.dtype} is not supported; supported: "
+                        f"{[str(d) for d in SUPPORTED_DTYPES]}")
+    if param.device.type not in SUPPORTED_DEVICES:
+        raise ValueError(f"gemma4opt.optimize: model on device {param.device}; supported: {list(SUPPORTED_DEVICES)}")
+    if cls == "Gemma4ForCausalLM":
+        return model
+    return model.model.language_model
+
+
+def _unrecognized_config(text_config) -> str | None:
+    """A reason when the text config has something the passes were not written for."""
+    if getattr(text_config, "model_type", None) != "gemma4_text":
+        return f"text config model_type {getattr(text_config, 'model_type', None)!r} is not 'gemma4_text'"
+    for attr in ("layer_types", "per_layer_config", "num_kv_shared_layers", "hidden_size_per_layer_input"):
+        if not hasattr(text_config, attr):
+            return f"text config has no {attr!r} (transformers version not recognized)"
+    return None
+
+
+def _fallback_reason(module: torch.nn.Module, kwargs: dict) -> str | None:
+    if module.training:
+        return "training mode"
+    for k in _FALLBACK_KWARGS:
+        if kwargs.get(k) not in (None, False):
+            return f"{k} requested"
+    if torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
+        return "autograd enabled (run under torch.no_grad()/inference_mode, as generate does)"
+    return None
+
+
+def optimize(model, config: Gemma4OptConfig | None = None):
+    """Rewrite this Gemma-4 model instance to run fused gemma4opt ops; returns the same model.
+
+    Only this instance changes (its ``forward`` and generation config); HF classes are untouched.
+    """
+    target = _check_model(model)
+    if getattr(model, "_gemma4opt", None) is not None:
+        return model
+    config = config or Gemma4OptConfig()
+    if not isinstance(config, Gemma4OptConfig):
+        raise TypeError(f"gemma4opt.optimize: config must be a Gemma4OptConfig, got {type(config).__name__}")
+    device = next(model.parameters()).device
+    cfg = config.resolve(device.type)
+    text_config = model.config.get_text_config()
+    scope = "causal_lm" if target is model else "text_model"
+    state = OptimizationState(cfg, type(model).__name__, scope,
+                              "" if target is model else "model.language_model", text_config)
+    model._gemma4opt = state
+
+    reason = _unrecognized_config(text_config)
+    if reason is not None:
+        state.disabled_reason = reason
+        warnings.warn(f"gemma4opt: {reason}; the model runs HF's unfused path", stacklevel=2)
+        return model
+
+    dyn = torch._dynamo.config
+    dyn.recompile_limit = max(dyn.recompile_limit, _RECOMPILE_LIMIT)
+    patterns = build_patterns()
+    enabled = [patterns[n] for n in cfg.enabled_patterns()]
+    for p in enabled:
+        state.stats[p.name] = PatternStats(p.name, p.summary, p.expected(text_config, scope))
+        p.prepare(target, text_config)
+
+    def ctx_factory(gm):
+        return PassContext(root=target, text_config=text_config, scope=scope, gm=gm)
+
+    state.pass_manager = PassManager(enabled, ctx_factory, state.stats)
+    state.original_forward = target.forward
+    state.compiled_forward = torch.compile(_own_code_entry(target.forward), backend=make_backend(state),
+                                           fullgraph=True)
+    target.forward = _make_forward(target, state)
+
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        gen.disable_compile = True      # our forward is already compiled; HF must not wrap it again
+        if cfg.cache == "static" and gen.cache_implementation is None:
+            gen.cache_implementation = "static"
+    return model
+
+
+def _own_code_entry(fn):
+    """A wrapper with a code object of its own.
+
+    Dynamo keeps compiled graphs per code object; HF's forward decorators share one code object
+    across every model, so two optimized models would evict each other's graphs (and
+    ``fullgraph=True`` turns hitting the recompile limit into an error).
+    """
+    def entry(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    code = entry.__code__.replace(co_name=f"gemma4opt_forward_{next(_entry_ids)}")
+    return types.FunctionType(code, entry.__globals__, code.co_name, entry.__defaults__, entry.__closure__)
+
+
+def _make_forward(target, state: OptimizationState):
+    original = state.original_forward
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        reason = _fallback_reason(target, kwargs)
+        if reason is not None:
+            if not state.fallbacks[reason]:
+                warnings.warn(f"gemma4opt: {reason}: this call runs HF's unfused forward", stacklevel=2)
+            state.fallbacks[reason] += 1
+            return original(*args, **kwargs)
+        state.compiled_calls += 1
+        return state.compiled_forward(*args, **kwargs)
+
+    return forward
+
+
+def get_state(model) -> OptimizationState:
+    state = getattr(model, "_gemma4opt", None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} was not optimized: call gemma4opt.optimize(model) first")
+    return state

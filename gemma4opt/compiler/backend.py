@@ -1,0 +1,24 @@
+"""The torch.compile backend: patterns on the Dynamo graph, then Inductor (CUDA) or as is (CPU)."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from gemma4opt.compiler.pass_manager import PassManager
+
+
+def make_backend(state):
+    """A Dynamo backend bound to one optimized model's state (see gemma4opt.api)."""
+
+    def gemma4opt_backend(gm: fx.GraphModule, example_inputs):
+        index = state.graphs_compiled
+        state.graphs_compiled += 1
+        state.pass_manager.run(gm, index)
+        if not state.config.inductor:
+            return gm.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = {"triton.cudagraphs": bool(state.config.cuda_graphs)}
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+    return gemma4opt_backend

@@ -1,0 +1,49 @@
+"""Apply the enabled patterns to one captured graph, in order, and count what they did."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from gemma4opt.compiler.pattern import PassContext, Pattern
+
+
+@dataclass
+class PatternStats:
+    """Counters for one pattern across every graph captured for a model."""
+
+    name: str
+    summary: str
+    expected: int
+    matched_per_graph: list[int] = field(default_factory=list)
+    unfused: dict[str, None] = field(default_factory=dict)   # ordered set of "where: why"
+
+
+class PassManager:
+    def __init__(self, patterns: list[Pattern], ctx_factory, stats: dict[str, PatternStats]):
+        self.patterns = patterns
+        self.ctx_factory = ctx_factory
+        self.stats = stats
+        self.explain_dir: str | None = None
+
+    def run(self, gm: fx.GraphModule, graph_index: int) -> fx.GraphModule:
+        ctx: PassContext = self.ctx_factory(gm)
+        self._dump(gm, graph_index, 0, "captured")
+        for i, pattern in enumerate(self.patterns, start=1):
+            result = pattern.apply(gm, ctx)
+            gm.graph.lint()
+            gm.recompile()
+            st = self.stats[pattern.name]
+            st.matched_per_graph.append(result.matched)
+            for why in result.unfused:
+                st.unfused[why] = None
+            self._dump(gm, graph_index, i, f"after_{pattern.name}")
+        return gm
+
+    def _dump(self, gm: fx.GraphModule, graph_index: int, step: int, label: str) -> None:
+        if not self.explain_dir:
+            return
+        path = os.path.join(self.explain_dir, f"graph{graph_index:02d}_{step:02d}_{label}.py")
+        with open(path, "w") as f:
+            f.write(gm.print_readable(print_output=False))

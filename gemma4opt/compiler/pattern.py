@@ -1,0 +1,54 @@
+"""The Pattern base class and what a pass reports back."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+
+@dataclass
+class PassContext:
+    """What a pattern may read while rewriting one captured graph."""
+
+    root: torch.nn.Module          # the module whose forward was compiled
+    text_config: object            # Gemma4TextConfig
+    scope: str                     # "causal_lm" (forward incl. lm_head) or "text_model"
+    gm: fx.GraphModule | None = None
+
+    def add_constant(self, name: str, tensor: torch.Tensor) -> fx.Node:
+        """A get_attr node for a tensor owned by gemma4opt (e.g. merged weights)."""
+        safe = "_g4o_" + name.replace(".", "_")
+        if not hasattr(self.gm, safe):
+            self.gm.register_buffer(safe, tensor, persistent=False)
+        first = next(iter(self.gm.graph.nodes))
+        with self.gm.graph.inserting_before(first):
+            node = self.gm.graph.get_attr(safe)
+        node.meta["example_value"] = tensor
+        return node
+
+
+@dataclass
+class PassResult:
+    matched: int = 0
+    unfused: list[str] = field(default_factory=list)   # "where: why" for each block left as is
+
+
+class Pattern:
+    """One fusion. Subclasses set ``name``/``summary`` and implement ``expected`` and ``apply``.
+
+    The module docstring of each pattern file spells out the unfused and fused sequences.
+    """
+
+    name: str = ""
+    summary: str = ""
+
+    def expected(self, text_config, scope: str) -> int:
+        """Matches a fully fused graph has, as a formula of the config (per captured graph)."""
+        raise NotImplementedError
+
+    def prepare(self, root: torch.nn.Module, text_config) -> None:
+        """One-time model edits at optimize() (e.g. merging weights). Default: none."""
+
+    def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        raise NotImplementedError

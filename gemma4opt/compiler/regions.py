@@ -1,0 +1,157 @@
+"""Find module regions in a Dynamo FX graph and rewrite them.
+
+Dynamo records, for every node, the stack of modules whose forward produced it
+(``node.meta["nn_module_stack"]``). A *region* is the set of compute nodes whose innermost
+module is one module instance. Patterns find their block by module type, then confirm it by
+structure: nothing relies on node names, node order or concrete shapes.
+"""
+from __future__ import annotations
+
+import collections
+import operator
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+_COMPUTE_OPS = ("call_function", "call_method", "call_module")
+
+
+def op_name(node: fx.Node) -> str:
+    """A version-stable name for a node's operation: 'add', 'pow', 'float', 'linear', ..."""
+    if node.op == "call_method":
+        return node.target
+    if node.op == "call_function":
+        target = node.target
+        if target in (operator.truediv, torch.div):
+            return "div"
+        name = getattr(target, "__name__", str(target))
+        return name.lstrip("_") if name.startswith("__") else name
+    return node.op
+
+
+def _clean_path(path: str) -> str:
+    # "L['self'].model._modules['layers']['0']" and "L['self'].model.layers.0" -> "model.layers.0"
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
+    path = re.sub(r"\['([^']+)'\]", r".\1", path)
+    return path.strip(".")
+
+
+def _type_name(t) -> str:
+    if isinstance(t, type):
+        return t.__name__
+    return str(t).rsplit(".", 1)[-1].strip("'>")
+
+
+def module_stack(node: fx.Node) -> list[tuple[str, str]]:
+    """[(path, type_name), ...] outermost first; path relative to the compiled root."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [(_clean_path(p), _type_name(t)) for p, t in stack.values()]
+
+
+def innermost(node: fx.Node) -> tuple[str, str] | None:
+    stack = module_stack(node)
+    return stack[-1] if stack else None
+
+
+def is_compute(node: fx.Node) -> bool:
+    if node.op not in _COMPUTE_OPS:
+        return False
+    # Dynamo's symbolic-size bookkeeping is not part of any block's math.
+    return not (node.op == "call_function" and getattr(node.target, "__module__", "") == "torch.fx.experimental.sym_node") and op_name(node) not in ("sym_size", "size", "_log_api_usage_once")
+
+
+@dataclass
+class Region:
+    path: str
+    type_name: str
+    nodes: list[fx.Node] = field(default_factory=list)
+
+    @property
+    def node_set(self) -> set[fx.Node]:
+        return set(self.nodes)
+
+    def external_inputs(self) -> list[fx.Node]:
+        inside = self.node_set
+        seen: dict[fx.Node, None] = {}
+        for n in self.nodes:
+            for a in n.all_input_nodes:
+                if a not in inside:
+                    seen[a] = None
+        return list(seen)
+
+    def outputs(self) -> list[fx.Node]:
+        inside = self.node_set
+        return [n for n in self.nodes if any(u not in inside for u in n.users)]
+
+    def op_counts(self) -> collections.Counter:
+        return collections.Counter(op_name(n) for n in self.nodes)
+
+    def by_op(self, name: str) -> list[fx.Node]:
+        return [n for n in self.nodes if op_name(n) == name]
+
+
+def regions_of_type(graph: fx.Graph, type_name: str, subtree: bool = False) -> list[Region]:
+    """Regions of every module instance of ``type_name``, in graph order.
+
+    subtree=False: nodes whose innermost module is the instance.
+    subtree=True: nodes anywhere below the instance (its child modules included).
+    """
+    found: dict[str, Region] = {}
+    for node in graph.nodes:
+        if not is_compute(node):
+            continue
+        stack = module_stack(node)
+        entries = stack if subtree else stack[-1:]
+        for path, tname in entries:
+            if tname == type_name:
+                found.setdefault(path, Region(path, tname)).nodes.append(node)
+                break
+    return list(found.values())
+
+
+def erase_region(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase nodes (all users must be inside ``nodes`` or already rewired)."""
+    for n in reversed(nodes):
+        if n.users:
+            raise RuntimeError(f"gemma4opt: cannot erase {n.format_node()}: still used by {list(n.users)}")
+        graph.erase_node(n)
+
+
+def replace_output(graph: fx.Graph, old: fx.Node, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
+    """Insert ``target(*args)`` before ``old``, move old's users to it, keep old's meta."""
+    with graph.inserting_before(old):
+        new = graph.call_function(target, args, kwargs or {})
+    new.meta = dict(old.meta)
+    old.replace_all_uses_with(new)
+    return new
+
+
+def const_arg(node: fx.Node, index: int, kw: str | None = None):
+    """A literal argument of a node, or None if it is a node / missing."""
+    if index < len(node.args):
+        v = node.args[index]
+    elif kw is not None and kw in node.kwargs:
+        v = node.kwargs[kw]
+    else:
+        return None
+    return None if isinstance(v, fx.Node) else v
+
+
+def scalar_operand(node: fx.Node):
+    """For a binary op with one node and one literal operand: (node_operand, literal)."""
+    a, b = node.args[0], node.args[1]
+    if isinstance(a, fx.Node) and not isinstance(b, fx.Node):
+        return a, b
+    if isinstance(b, fx.Node) and not isinstance(a, fx.Node):
+        return b, a
+    return None, None
+
+
+def resolve_module(root: torch.nn.Module, path: str) -> torch.nn.Module:
+    mod = root
+    for part in filter(None, path.split(".")):
+        mod = getattr(mod, part) if not part.isdigit() else mod[int(part)]
+    return mod

@@ -1,0 +1,1 @@
+"""Triton kernels, one file per fused op. Imported lazily: only the CUDA path needs triton."""

@@ -1,0 +1,100 @@
+"""Gemma-4 text configs with the real dimensions (random-init runs; no weights here) and tiny test variants.
+
+Real presets follow the public model cards/metadata. Where those are silent we keep
+transformers' Gemma4TextConfig defaults: layer pattern 5 sliding : 1 full (last layer full),
+RoPE theta 10k sliding / 1M proportional (partial 0.25) full, eps 1e-6. ``attention_k_eq_v``
+is set where the full layers have fewer KV heads than the sliding ones (31b, 26b-a4b), since
+transformers only applies ``num_global_key_value_heads`` together with it.
+"""
+from __future__ import annotations
+
+import torch
+
+_COMMON = dict(vocab_size=262144, final_logit_softcapping=30.0, tie_word_embeddings=True, head_dim=256,
+               global_head_dim=512, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072)
+
+PRESETS: dict[str, dict] = {
+    "31b": dict(_COMMON, num_hidden_layers=60, hidden_size=5376, intermediate_size=21504,
+                num_attention_heads=32, num_key_value_heads=16, num_global_key_value_heads=4,
+                attention_k_eq_v=True, sliding_window=1024, hidden_size_per_layer_input=0),
+    "26b-a4b": dict(_COMMON, num_hidden_layers=30, hidden_size=2816, intermediate_size=2112,
+                    num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2,
+                    attention_k_eq_v=True, sliding_window=1024, hidden_size_per_layer_input=0,
+                    enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704),
+    "e4b": dict(_COMMON, num_hidden_layers=42, hidden_size=2560, intermediate_size=10240,
+                num_attention_heads=8, num_key_value_heads=2, sliding_window=512,
+                hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144, num_kv_shared_layers=18),
+    "e2b": dict(_COMMON, num_hidden_layers=35, hidden_size=1536, intermediate_size=6144,
+                num_attention_heads=8, num_key_value_heads=1, sliding_window=512,
+                hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144, num_kv_shared_layers=20,
+                use_double_wide_mlp=True),
+}
+
+_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, global_head_dim=32, sliding_window=8, final_logit_softcapping=30.0,
+             hidden_size_per_layer_input=0, vocab_size_per_layer_input=128, max_position_embeddings=512,
+             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+             num_hidden_layers=4)
+
+# Tiny configs of every Gemma-4 variant, for CPU tests (and the example's default).
+TINY_PRESETS: dict[str, dict] = {
+    "tiny": _TINY,
+    "tiny-k-eq-v": dict(_TINY, attention_k_eq_v=True, num_global_key_value_heads=1),
+    "tiny-ple-shared": dict(_TINY, num_hidden_layers=5, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+                            use_double_wide_mlp=True,
+                            layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                         "sliding_attention", "full_attention"]),
+    "tiny-moe": dict(_TINY, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16,
+                     attention_k_eq_v=True, num_global_key_value_heads=1),
+}
+
+ALL_PRESETS = {**PRESETS, **TINY_PRESETS}
+
+
+def preset_config(name: str, layers: int | None = None):
+    """A Gemma4TextConfig for a preset; ``layers`` cuts depth (KV-shared layers scale with it)."""
+    from transformers import Gemma4TextConfig
+
+    if name not in ALL_PRESETS:
+        raise ValueError(f"unknown preset {name!r}; supported: {sorted(ALL_PRESETS)}")
+    kw = dict(ALL_PRESETS[name])
+    if layers is not None and layers != kw["num_hidden_layers"]:
+        if layers < 2:
+            raise ValueError(f"--layers {layers}: need at least 2 (one sliding and one full layer)")
+        full = kw["num_hidden_layers"]
+        shared = kw.get("num_kv_shared_layers", 0)
+        kw["num_kv_shared_layers"] = min(round(shared * layers / full), max(layers - 6, 0)) if shared else 0
+        kw["num_hidden_layers"] = layers
+        kw.pop("layer_types", None)
+    return Gemma4TextConfig(**kw)
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Make random-init weights exercise every multiply: norm weights off 1, layer_scalar off 1."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_((1.0 + 0.2 * torch.randn(p.shape, generator=g)).to(p.dtype))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.fill_(0.5 + torch.rand((), generator=g).item())
+    return model
+
+
+def build_model(name: str = "tiny", layers: int | None = None, dtype=torch.float32, device="cpu", seed: int = 0,
+                attn_implementation: str = "sdpa"):
+    """A random-init Gemma4ForCausalLM for a preset, built directly on ``device`` in ``dtype``."""
+    from transformers import Gemma4ForCausalLM
+
+    config = preset_config(name, layers)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Gemma4ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(prev)
+    return randomize_(model.eval(), seed)

@@ -1,0 +1,72 @@
+"""report(model): what each pattern matched against what it should have, from counters."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gemma4opt.api import get_state
+
+
+@dataclass
+class PatternRow:
+    pattern: str
+    summary: str
+    matched: int | None          # per captured graph (all graphs agree) or None before the first call
+    matched_per_graph: list[int]
+    expected: int
+    unfused: list[str]
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.matched_per_graph) and all(m == self.expected for m in self.matched_per_graph)
+
+
+@dataclass
+class Report:
+    model_class: str
+    scope: str
+    disabled_reason: str | None
+    graphs_compiled: int
+    compiled_calls: int
+    fallbacks: dict[str, int]
+    rows: list[PatternRow] = field(default_factory=list)
+
+    def row(self, pattern: str) -> PatternRow:
+        return next(r for r in self.rows if r.pattern == pattern)
+
+    def __str__(self) -> str:
+        lines = [f"gemma4opt report: {self.model_class} (compiled scope: {self.scope})"]
+        if self.disabled_reason:
+            lines.append(f"  NOT OPTIMIZED: {self.disabled_reason} -> every call runs HF's unfused path")
+        lines.append(f"  graphs compiled: {self.graphs_compiled}   compiled calls: {self.compiled_calls}")
+        if self.fallbacks:
+            lines.append("  calls on HF's path: " + ", ".join(f"{k}: {v}" for k, v in self.fallbacks.items()))
+        if self.rows:
+            w = max(len(r.pattern) for r in self.rows)
+            lines.append(f"  {'pattern':<{w}}  {'matched':>9}  {'expected':>8}  status")
+            for r in self.rows:
+                got = "-" if not r.matched_per_graph else (
+                    str(r.matched) if r.matched is not None else "/".join(map(str, r.matched_per_graph)))
+                status = "ok" if r.complete else ("not run yet" if not r.matched_per_graph else "INCOMPLETE")
+                lines.append(f"  {r.pattern:<{w}}  {got:>9}  {r.expected:>8}  {status}")
+                for why in r.unfused:
+                    lines.append(f"  {'':<{w}}    unfused: {why}")
+        return "\n".join(lines)
+
+
+def build_report(model) -> Report:
+    state = get_state(model)
+    rows = []
+    for st in state.stats.values():
+        per = list(st.matched_per_graph)
+        matched = per[0] if per and all(m == per[0] for m in per) else None
+        rows.append(PatternRow(st.name, st.summary, matched, per, st.expected, list(st.unfused)))
+    return Report(state.model_class, state.scope, state.disabled_reason, state.graphs_compiled,
+                  state.compiled_calls, dict(state.fallbacks), rows)
+
+
+def report(model, print_table: bool = True) -> Report:
+    """Per pattern: matches per captured graph, expected matches, and what stayed unfused and why."""
+    rep = build_report(model)
+    if print_table:
+        print(rep)
+    return rep
