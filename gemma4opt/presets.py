@@ -48,7 +48,18 @@ TINY_PRESETS: dict[str, dict] = {
                      attention_k_eq_v=True, num_global_key_value_heads=1),
 }
 
-ALL_PRESETS = {**PRESETS, **TINY_PRESETS}
+# The example's embedded default: E2B's structure (sliding + full layers with two head dims,
+# PLE, KV sharing, double-wide MLP, softcap) at a width a CPU generates with in seconds.
+DEMO_PRESETS: dict[str, dict] = {
+    "demo": dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
+                 num_key_value_heads=1, head_dim=64, global_head_dim=128, sliding_window=32,
+                 final_logit_softcapping=30.0, hidden_size_per_layer_input=32, vocab_size_per_layer_input=4096,
+                 num_kv_shared_layers=2, use_double_wide_mlp=True, num_hidden_layers=6,
+                 layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                 max_position_embeddings=4096),
+}
+
+ALL_PRESETS = {**PRESETS, **DEMO_PRESETS, **TINY_PRESETS}
 
 
 def preset_config(name: str, layers: int | None = None):

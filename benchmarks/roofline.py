@@ -1,0 +1,54 @@
+"""Bytes a decode step must move (weights + KV) and the device's measured copy bandwidth."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30, iters: int = 10) -> float:
+    """Measured device copy bandwidth in bytes/s (read + write counted)."""
+    if device == "cpu":
+        nbytes = min(nbytes, 1 << 28)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return 2 * nbytes * iters / (time.perf_counter() - t0)
+
+
+def weight_bytes_per_step(model, batch: int) -> int:
+    """Parameter bytes one decode step reads: embedding rows are gathered (the tied lm_head reads the
+    whole table once), and an MoE layer reads only the experts its tokens picked (expected count)."""
+    cfg = model.config.get_text_config()
+    total = 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if "embed_tokens_per_layer" in name:
+            nbytes = batch * p.shape[1] * p.element_size()
+        elif name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+            e, k = cfg.num_experts, cfg.top_k_experts
+            nbytes = int(nbytes * (1 - (1 - k / e) ** batch))
+        total += nbytes
+    return total
+
+
+def kv_bytes_per_step(model, batch: int, context: int) -> int:
+    """K and V bytes the attention of one decode step reads (sliding layers see at most the window)."""
+    cfg = model.config.get_text_config()
+    elem = next(model.parameters()).element_size()
+    total = 0
+    owners = cfg.num_hidden_layers - (cfg.num_kv_shared_layers or 0)
+    for i, kind in enumerate(cfg.layer_types):
+        lc = cfg.per_layer_config[i]
+        seen = min(context, cfg.sliding_window) if kind == "sliding_attention" else context
+        reads = 2 * batch * lc.num_key_value_heads * lc.head_dim * seen * elem
+        total += reads  # KV-shared layers read their producer's KV again
+    del owners
+    return total

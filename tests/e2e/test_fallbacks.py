@@ -1,0 +1,83 @@
+"""What the passes do not cover runs HF's path, warns, and shows in the report — never a wrong result."""
+import pytest
+import torch
+
+import gemma4opt
+from gemma4opt import Gemma4OptConfig
+from tests.models import prompt, tiny
+
+
+def test_output_attentions_falls_back():
+    model = tiny()
+    ids = prompt(1, 9)
+    with torch.no_grad():
+        want = model(ids, output_attentions=True)
+        gemma4opt.optimize(model)
+        with pytest.warns(UserWarning, match="output_attentions"):
+            got = model(ids, output_attentions=True)
+    torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
+    assert got.attentions is not None
+    rep = gemma4opt.report(model, print_table=False)
+    assert rep.fallbacks == {"output_attentions requested": 1} and rep.compiled_calls == 0
+
+
+def test_training_mode_falls_back_and_backprop_works():
+    model = tiny()
+    gemma4opt.optimize(model)
+    model.train()
+    ids = prompt(1, 6)
+    with pytest.warns(UserWarning, match="training mode"):
+        out = model(ids, labels=ids)
+    out.loss.backward()
+    assert model.lm_head.weight.grad is not None
+    assert gemma4opt.report(model, print_table=False).fallbacks == {"training mode": 1}
+
+
+def test_unrecognized_config_disables_and_reports():
+    model = tiny()
+    model.config.model_type = "gemma4_experimental"
+    with pytest.warns(UserWarning, match="unfused path"):
+        gemma4opt.optimize(model)
+    rep = gemma4opt.report(model, print_table=False)
+    assert "gemma4_experimental" in rep.disabled_reason and rep.rows == []
+    with torch.no_grad():
+        model(prompt(1, 4))
+    assert "NOT OPTIMIZED" in str(rep)
+
+
+def test_other_models_raise_type_error_naming_class():
+    with pytest.raises(TypeError, match=r"Linear.*supported: transformers Gemma4ForCausalLM"):
+        gemma4opt.optimize(torch.nn.Linear(2, 2))
+
+
+def test_unsupported_dtype_raises():
+    model = tiny().to(torch.float64)
+    with pytest.raises(TypeError, match="float64"):
+        gemma4opt.optimize(model)
+
+
+def test_bad_config_values_raise():
+    with pytest.raises(ValueError, match="unknown pattern"):
+        Gemma4OptConfig(patterns=("nope",))
+    with pytest.raises(ValueError, match="cache"):
+        Gemma4OptConfig(cache="paged-ish")
+    with pytest.raises(ValueError, match="CUDA"):
+        Gemma4OptConfig(cuda_graphs=True).resolve("cpu")
+
+
+def test_patterns_can_be_disabled():
+    model = tiny()
+    ids = prompt(1, 7)
+    with torch.no_grad():
+        want = model(ids).logits
+        gemma4opt.optimize(model, Gemma4OptConfig(patterns=()))
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert gemma4opt.report(model, print_table=False).rows == []
+
+
+def test_only_this_instance_is_changed():
+    a, b = tiny(), tiny()
+    gemma4opt.optimize(a)
+    assert "forward" in vars(a) and "forward" not in vars(b)
+    assert type(a) is type(b)

@@ -1,0 +1,16 @@
+"""Shared helpers for tests: tiny models, prompts, and a counting compile."""
+import torch
+
+from gemma4opt.presets import TINY_PRESETS, build_model
+
+VARIANTS = sorted(TINY_PRESETS)
+WINDOW = TINY_PRESETS["tiny"]["sliding_window"]
+
+
+def tiny(name="tiny", dtype=torch.float32, seed=0):
+    return build_model(name, dtype=dtype, seed=seed)
+
+
+def prompt(batch, length, vocab=128, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=g)
