@@ -47,7 +47,9 @@ class OptimizationState:
     disabled_reason: str | None = None
     pass_manager: PassManager | None = None
     original_forward: object = None
-    compiled_forward: object = None
+    compiled_forward: object = None     # any call: prefill, or decode on a dynamic cache
+    decode_forward: object = None       # decode on an initialized static cache, as CUDA graphs
+    graphed_calls: int = 0
 
 
 def _check_model(model) -> torch.nn.Module:
@@ -129,8 +131,11 @@ def optimize(model, config: Gemma4OptConfig | None = None):
 
     state.pass_manager = PassManager(enabled, ctx_factory, state.stats)
     state.original_forward = target.forward
-    state.compiled_forward = torch.compile(_own_code_entry(target.forward), backend=make_backend(state),
+    state.compiled_forward = torch.compile(_own_code_entry(target.forward), backend=make_backend(state, False),
                                            fullgraph=True)
+    if cfg.cuda_graphs:
+        state.decode_forward = torch.compile(_own_code_entry(target.forward), backend=make_backend(state, True),
+                                             fullgraph=True)
     target.forward = _make_forward(target, state)
 
     gen = getattr(model, "generation_config", None)
@@ -167,9 +172,40 @@ def _make_forward(target, state: OptimizationState):
             state.fallbacks[reason] += 1
             return original(*args, **kwargs)
         state.compiled_calls += 1
+        if state.decode_forward is not None and _static_cache_ready(kwargs):
+            state.graphed_calls += 1
+            torch.compiler.cudagraph_mark_step_begin()   # last step's outputs were consumed by generate
+            return state.decode_forward(*args, **kwargs)
         return state.compiled_forward(*args, **kwargs)
 
     return forward
+
+
+def _cache_of(kwargs):
+    return kwargs.get("cache", kwargs.get("past_key_values"))
+
+
+def _static_cache_ready(kwargs) -> bool:
+    """True for a call on an HF static cache that prefill has already allocated.
+
+    The cache allocates its tensors lazily inside the first (prefill) forward; when that runs
+    under Dynamo, HF skips ``mark_static_address``. CUDA graphs need the cache at fixed
+    addresses, so the first decode call marks them here, once per cache object.
+    """
+    cache = _cache_of(kwargs)
+    if cache is None or not getattr(cache, "is_compileable", False):
+        return False
+    layers = getattr(cache, "layers", ())
+    if not layers or not all(getattr(layer, "is_initialized", False) for layer in layers):
+        return False
+    if not getattr(cache, "_gemma4opt_static", False):
+        for layer in layers:
+            for attr in ("keys", "values", "cumulative_length"):
+                t = getattr(layer, attr, None)
+                if isinstance(t, torch.Tensor):
+                    torch._dynamo.mark_static_address(t)
+        cache._gemma4opt_static = True
+    return True
 
 
 def get_state(model) -> OptimizationState:

@@ -27,6 +27,7 @@ class Report:
     disabled_reason: str | None
     graphs_compiled: int
     compiled_calls: int
+    graphed_calls: int
     fallbacks: dict[str, int]
     rows: list[PatternRow] = field(default_factory=list)
 
@@ -37,7 +38,8 @@ class Report:
         lines = [f"gemma4opt report: {self.model_class} (compiled scope: {self.scope})"]
         if self.disabled_reason:
             lines.append(f"  NOT OPTIMIZED: {self.disabled_reason} -> every call runs HF's unfused path")
-        lines.append(f"  graphs compiled: {self.graphs_compiled}   compiled calls: {self.compiled_calls}")
+        lines.append(f"  graphs compiled: {self.graphs_compiled}   compiled calls: {self.compiled_calls} "
+                     f"(as CUDA graph replays: {self.graphed_calls})")
         if self.fallbacks:
             lines.append("  calls on HF's path: " + ", ".join(f"{k}: {v}" for k, v in self.fallbacks.items()))
         if self.rows:
@@ -61,7 +63,7 @@ def build_report(model) -> Report:
         matched = per[0] if per and all(m == per[0] for m in per) else None
         rows.append(PatternRow(st.name, st.summary, matched, per, st.expected, list(st.unfused)))
     return Report(state.model_class, state.scope, state.disabled_reason, state.graphs_compiled,
-                  state.compiled_calls, dict(state.fallbacks), rows)
+                  state.compiled_calls, state.graphed_calls, dict(state.fallbacks), rows)
 
 
 def report(model, print_table: bool = True) -> Report:

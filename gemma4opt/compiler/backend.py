@@ -7,7 +7,7 @@ import torch.fx as fx
 from gemma4opt.compiler.pass_manager import PassManager
 
 
-def make_backend(state):
+def make_backend(state, cuda_graphs: bool):
     """A Dynamo backend bound to one optimized model's state (see gemma4opt.api)."""
 
     def gemma4opt_backend(gm: fx.GraphModule, example_inputs):
@@ -18,7 +18,7 @@ def make_backend(state):
             return gm.forward
         from torch._inductor.compile_fx import compile_fx
 
-        patches = {"triton.cudagraphs": bool(state.config.cuda_graphs)}
+        patches = {"triton.cudagraphs": cuda_graphs}
         return compile_fx(gm, example_inputs, config_patches=patches)
 
     return gemma4opt_backend
