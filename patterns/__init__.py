@@ -1,16 +1,25 @@
 """The fusions, in the order the pass manager applies them.
 
-Each pattern is one file here; ``PATTERNS`` maps its name to an instance. Later patterns
-match on the ops earlier ones produced (e.g. a residual tail matches two gemma4opt.rms_norm
-calls around an add), so order matters.
+Each pattern is one file here; ``build_patterns`` maps its name to an instance. Later patterns
+match on the ops earlier ones produced (norm_rope and residual_norm match gemma4opt.rms_norm
+calls; gelu_tanh_mul reads the merged gate/up halves), so order matters.
 """
 from __future__ import annotations
 
-PATTERN_NAMES = ("rms_norm",)
+PATTERN_NAMES = ("rms_norm", "merged_projections", "norm_rope", "gelu_tanh_mul", "residual_norm",
+                 "moe_router", "logit_softcap")
 
 
 def build_patterns() -> dict:
+    from .gelu_tanh_mul import GeluTanhMulPattern
+    from .logit_softcap import LogitSoftcapPattern
+    from .merged_projections import MergedProjectionsPattern
+    from .moe_router import MoeRouterPattern
+    from .norm_rope import NormRopePattern
+    from .residual_norm import ResidualNormPattern
     from .rms_norm import RMSNormPattern
 
-    patterns = [RMSNormPattern()]
+    patterns = [RMSNormPattern(), MergedProjectionsPattern(), NormRopePattern(), GeluTanhMulPattern(),
+                ResidualNormPattern(), MoeRouterPattern(), LogitSoftcapPattern()]
+    assert tuple(p.name for p in patterns) == PATTERN_NAMES
     return {p.name: p for p in patterns}

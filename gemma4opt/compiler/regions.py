@@ -33,7 +33,7 @@ def op_name(node: fx.Node) -> str:
 
 def _clean_path(path: str) -> str:
     # "L['self'].model._modules['layers']['0']" and "L['self'].model.layers.0" -> "model.layers.0"
-    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"^L\['(self|fn)'\](\.__self__)?\.?", "", path)
     path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)
     return path.strip(".")

@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gemma4opt.kernels._util import row_launch, rows_view
+
 
 @triton.jit
 def _rms_norm_kernel(X, W, Y, stride_x, stride_y, D, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
@@ -21,14 +23,11 @@ def _rms_norm_kernel(X, W, Y, stride_x, stride_y, D, eps, HAS_WEIGHT: tl.constex
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     D = x.shape[-1]
-    x2 = x.reshape(-1, D)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = rows_view(x)
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     rows = x2.shape[0]
     if rows:
-        block = triton.next_power_of_2(D)
-        warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+        block, warps = row_launch(D)
         _rms_norm_kernel[(rows,)](
             x2, weight if weight is not None else x2, y, x2.stride(0), y.stride(0), D, eps,
             HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=warps,

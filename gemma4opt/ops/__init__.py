@@ -1,2 +1,9 @@
 """Importing this registers every torch.ops.gemma4opt op (reference + fake + CUDA kernels)."""
-from gemma4opt.ops import rms_norm  # noqa: F401
+from gemma4opt.ops import (  # noqa: F401
+    add_rms_norm,
+    gelu_tanh_mul,
+    linear_softcap,
+    moe_router,
+    rms_norm,
+    rms_norm_rope,
+)

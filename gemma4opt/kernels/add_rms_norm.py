@@ -1,0 +1,48 @@
+"""Triton residual tail: s = (residual + rmsnorm(x)*w1) [* scale]; n = rmsnorm(s)*w2 — one pass, two outputs.
+
+Rounds to the activation dtype at the same points as HF's eager code (after each norm, the
+add and the scale), so bf16 results track eager closely.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gemma4opt.kernels._util import row_launch, rows_view
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, R, W1, SCALE, W2, S, N, sx, sr, ss, sn, D, eps1, eps2,
+                         HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    dt = S.dtype.element_ty
+    x = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
+    inv1 = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps1)
+    w1 = tl.load(W1 + cols, mask=mask, other=0.0).to(tl.float32)
+    n1 = (x * inv1 * w1).to(dt).to(tl.float32)
+    r = tl.load(R + row * sr + cols, mask=mask, other=0.0).to(tl.float32)
+    s = (r + n1).to(dt).to(tl.float32)
+    if HAS_SCALE:
+        s = (s * tl.load(SCALE).to(tl.float32)).to(dt).to(tl.float32)
+    tl.store(S + row * ss + cols, s.to(dt), mask=mask)
+    inv2 = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / D + eps2)
+    w2 = tl.load(W2 + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(N + row * sn + cols, (s * inv2 * w2).to(dt), mask=mask)
+
+
+def add_rms_norm_triton(x, residual, weight, eps, scale, next_weight, next_eps):
+    D = x.shape[-1]
+    x2, r2 = rows_view(x), rows_view(residual)
+    s = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    n = torch.empty_like(s)
+    if s.shape[0]:
+        block, warps = row_launch(D)
+        _add_rms_norm_kernel[(s.shape[0],)](
+            x2, r2, weight, scale if scale is not None else weight, next_weight, s, n,
+            x2.stride(0), r2.stride(0), s.stride(0), n.stride(0), D, eps, next_eps,
+            HAS_SCALE=scale is not None, BLOCK=block, num_warps=warps,
+        )
+    return s.view(x.shape), n.view(x.shape)

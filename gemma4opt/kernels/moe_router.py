@@ -1,0 +1,48 @@
+"""Triton MoE router tail: softmax over experts (fp32) -> top-k -> renormalize -> per-expert scale.
+
+One program per token; top-k by k rounds of argmax over the E probabilities (E <= 1024).
+Ties pick the lowest expert index, as torch.topk does on CPU and CUDA for distinct values.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _router_kernel(L, PES, P, TW, TI, sl, E, K: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < E
+    logits = tl.load(L + row * sl + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    m = tl.max(logits, axis=0)
+    e = tl.where(mask, tl.exp(logits - m), 0.0)
+    p = e / tl.sum(e, axis=0)
+    tl.store(P + row * E + cols, p, mask=mask)
+    work = tl.where(mask, p, -1.0)
+    total = 0.0
+    for k in tl.static_range(K):
+        best = tl.max(work, axis=0)
+        idx = tl.min(tl.where(work == best, cols, BLOCK), axis=0)
+        tl.store(TI + row * K + k, idx.to(tl.int64))
+        tl.store(TW + row * K + k, best)
+        total += best
+        work = tl.where(cols == idx, -1.0, work)
+    ks = tl.arange(0, K)
+    w = tl.load(TW + row * K + ks)
+    i = tl.load(TI + row * K + ks)
+    tl.store(TW + row * K + ks, (w / total) * tl.load(PES + i).to(tl.float32))
+
+
+def router_topk_triton(expert_logits: torch.Tensor, per_expert_scale: torch.Tensor, k: int):
+    """(probs fp32 [T, E], top-k weights fp32 [T, k], top-k indices int64 [T, k])."""
+    T, E = expert_logits.shape
+    probs = torch.empty((T, E), dtype=torch.float32, device=expert_logits.device)
+    tw = torch.empty((T, k), dtype=torch.float32, device=expert_logits.device)
+    ti = torch.empty((T, k), dtype=torch.int64, device=expert_logits.device)
+    if T:
+        logits = expert_logits if expert_logits.stride(-1) == 1 else expert_logits.contiguous()
+        _router_kernel[(T,)](logits, per_expert_scale, probs, tw, ti, logits.stride(0), E, K=k,
+                             BLOCK=triton.next_power_of_2(E))
+    return probs, tw, ti

@@ -1,0 +1,29 @@
+"""Triton logit softcap in place: x = tanh(x / cap) * cap, rounding like HF (after /, tanh, *)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gemma4opt.kernels.gelu_tanh_mul import _tanh
+
+_BLOCK = 2048
+
+
+@triton.jit
+def _softcap_kernel(X, N, cap, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    dt = X.dtype.element_ty
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    t = _tanh((x / cap).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    tl.store(X + offs, (t * cap).to(dt), mask=mask)
+
+
+def softcap_(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """In place on a contiguous tensor (the fresh GEMM output)."""
+    assert x.is_contiguous()
+    n = x.numel()
+    if n:
+        _softcap_kernel[(triton.cdiv(n, _BLOCK),)](x, n, cap, BLOCK=_BLOCK)
+    return x
