@@ -12,7 +12,8 @@ Fused::
 
 The first KV-shared layer may slice the sequence before its input norm (prefill with
 ``logits_to_keep``): the norm is row-wise, so the fused op normalizes every row and the same
-slice is applied to ``n``. With PLE, the post-feedforward add feeds the PLE gate (no norm
+slice is applied to ``n``. Only residual-stream adds are fused (the sum is read again later, or
+scaled by layer_scalar). With PLE, the post-feedforward add feeds the PLE gate (no norm
 follows), so only the PLE tail (post_per_layer_input_norm + add + scale + next norm) is fused.
 """
 from __future__ import annotations
@@ -72,6 +73,10 @@ class ResidualNormPattern(Pattern):
             nxt, sl = _next_norm(s)
             if nxt is None:
                 continue   # e.g. the PLE-model post-feedforward add: its consumer is the PLE gate
+            if scale is None and len(s.users) < 2:
+                # Not the residual stream (nothing else reads the sum): e.g. MoE's
+                # post_ff_1(mlp) + post_ff_2(experts), whose norm the layer tail needs unfused.
+                continue
             x, w, eps = norm.args
             with graph.inserting_before(s.next):   # after every input, before every user of s
                 fused = graph.call_function(torch.ops.gemma4opt.add_rms_norm.default,

@@ -1,0 +1,112 @@
+"""Each fused op's Triton kernel vs Inductor's code for the same unfused subgraph, on the GPU.
+
+    python benchmarks/bench_kernels.py [--presets 31b e4b] [--m 1 32 256 8192]
+
+For decode (M = 1, 32, 256 tokens) and prefill (M = 8192) shapes of the presets: time per call
+(CUDA-event median), achieved GB/s (bytes read + written / time), the fraction of the measured
+copy bandwidth, and the speedup over torch.compile of the op's reference (the unfused subgraph).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton.testing
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gemma4opt  # noqa: E402,F401
+from gemma4opt.kernels.add_rms_norm import add_rms_norm_triton  # noqa: E402
+from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_mul_triton  # noqa: E402
+from gemma4opt.kernels.moe_router import router_topk_triton  # noqa: E402
+from gemma4opt.kernels.rms_norm import rms_norm_triton  # noqa: E402
+from gemma4opt.kernels.rms_norm_rope import rms_norm_rope_triton  # noqa: E402
+from gemma4opt.kernels.softcap import softcap_  # noqa: E402
+from gemma4opt.ops.add_rms_norm import add_rms_norm_reference  # noqa: E402
+from gemma4opt.ops.gelu_tanh_mul import gelu_tanh_mul_reference  # noqa: E402
+from gemma4opt.ops.rms_norm import rms_norm_reference  # noqa: E402
+from gemma4opt.ops.rms_norm_rope import rms_norm_rope_reference  # noqa: E402
+from gemma4opt.presets import preset_config  # noqa: E402
+from roofline import copy_bandwidth  # noqa: E402
+
+DT = torch.bfloat16
+EPS = 1e-6
+
+
+def _nbytes(*ts):
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _router_ref(logits, pes, k):
+    probs = torch.softmax(logits, -1, dtype=torch.float32)
+    w, i = torch.topk(probs, k, -1)
+    return probs, w / w.sum(-1, keepdim=True) * pes[i], i
+
+
+def cases(cfg, M):
+    """(op name, triton fn, reference fn, args, bytes moved) for one preset and M tokens."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    x, r = torch.randn(M, H, device="cuda", dtype=DT), torch.randn(M, H, device="cuda", dtype=DT)
+    w, w2 = torch.randn(H, device="cuda", dtype=DT), torch.randn(H, device="cuda", dtype=DT)
+    scale = torch.tensor([0.8], device="cuda", dtype=DT)
+    out = [("rms_norm", rms_norm_triton, rms_norm_reference, (x, w, EPS), _nbytes(x, x, w))]
+    out.append(("add_rms_norm", add_rms_norm_triton, add_rms_norm_reference, (x, r, w, EPS, scale, w2, EPS),
+                _nbytes(x, r, x, x, w, w2)))
+    gu = torch.randn(M, 2 * I, device="cuda", dtype=DT)
+    g, u = gu[:, :I], gu[:, I:]
+    out.append(("gelu_tanh_mul", gelu_tanh_mul_triton, gelu_tanh_mul_reference, (g, u), _nbytes(gu, g)))
+    for kind, D, heads in (("sliding", cfg.head_dim, cfg.num_attention_heads),
+                           ("full", cfg.per_layer_config[cfg.layer_types.index("full_attention")].head_dim,
+                            cfg.num_attention_heads)):
+        q = torch.randn(1, M, heads, D, device="cuda", dtype=DT)
+        cos = torch.randn(1, M, 1, D, device="cuda", dtype=DT)
+        sin = torch.randn(1, M, 1, D, device="cuda", dtype=DT)
+        wq = torch.randn(D, device="cuda", dtype=DT)
+        out.append((f"rms_norm_rope[{kind} D={D}]", rms_norm_rope_triton, rms_norm_rope_reference,
+                    (q, wq, cos, sin, EPS), _nbytes(q, q, cos, sin, wq)))
+    if M <= 256:
+        logits = torch.randn(M, cfg.vocab_size, device="cuda", dtype=DT)
+        out.append(("softcap (lm_head epilogue)", lambda t, c: softcap_(t, c),
+                    lambda t, c: torch.tanh(t / c) * c, (logits, 30.0), _nbytes(logits, logits)))
+    if cfg.enable_moe_block:
+        logits = torch.randn(M, cfg.num_experts, device="cuda", dtype=DT)
+        pes = torch.randn(cfg.num_experts, device="cuda", dtype=DT)
+        out.append(("moe_router top-k", router_topk_triton, _router_ref, (logits, pes, cfg.top_k_experts),
+                    _nbytes(logits) + M * cfg.num_experts * 4 + M * cfg.top_k_experts * 12))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--presets", nargs="+", default=["31b", "e4b", "26b-a4b"])
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 32, 256, 8192])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    bw = copy_bandwidth("cuda")
+    print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s  dtype {DT}")
+    print(f"{'preset':>8} {'M':>5} {'op':>28} {'triton us':>10} {'inductor us':>11} {'speedup':>8} "
+          f"{'GB/s':>7} {'of copy bw':>10}")
+    rows = []
+    torch._dynamo.config.recompile_limit = 256
+    for preset in args.presets:
+        cfg = preset_config(preset)
+        for M in args.m:
+            for name, fn, ref, fargs, nbytes in cases(cfg, M):
+                compiled = torch.compile(ref, dynamic=False)
+                t_fused = triton.testing.do_bench(lambda: fn(*fargs), warmup=25, rep=100) * 1e3
+                t_ind = triton.testing.do_bench(lambda: compiled(*fargs), warmup=25, rep=100) * 1e3
+                gbs = nbytes / (t_fused * 1e-6) / 1e9
+                row = dict(preset=preset, M=M, op=name, triton_us=t_fused, inductor_us=t_ind,
+                           speedup=t_ind / t_fused, gb_s=gbs, frac_copy_bw=gbs * 1e9 / bw)
+                rows.append(row)
+                print(f"{preset:>8} {M:>5} {name:>28} {t_fused:>10.2f} {t_ind:>11.2f} {row['speedup']:>7.2f}x "
+                      f"{gbs:>7.0f} {row['frac_copy_bw']:>9.0%}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

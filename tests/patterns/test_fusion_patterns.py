@@ -1,0 +1,85 @@
+"""Every fusion on the real HF modules of each tiny variant: exact counts, numerics, nothing left behind."""
+import pytest
+import torch
+
+from gemma4opt.patterns import PATTERN_NAMES, build_patterns
+from tests.models import VARIANTS, prompt, tiny
+from tests.patterns.helpers import Compiled
+
+# Patterns that match on what an earlier one produced.
+NEEDS = {"norm_rope": ["rms_norm"], "residual_norm": ["rms_norm"], "moe_router": ["rms_norm"],
+         "gelu_tanh_mul": ["merged_projections"]}
+# Ops of the fused blocks that must not survive the pass.
+GONE = {"gelu_tanh_mul": ["gelu"], "norm_rope": ["neg"], "logit_softcap": ["tanh"],
+        "moe_router": ["topk", "softmax", "itruediv"], "residual_norm": ["imul"]}
+
+
+def _run(variant, names):
+    model = tiny(variant)
+    ids = prompt(2, 11)
+    with torch.no_grad():
+        want = model(ids).logits
+    c = Compiled(model, names, text_config=model.config)
+    return c, c(ids).logits, want, model.config
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("pattern", [p for p in PATTERN_NAMES if p != "rms_norm"])
+def test_pattern_count_numerics_coverage(variant, pattern):
+    names = NEEDS.get(pattern, []) + [pattern]
+    c, got, want, cfg = _run(variant, names)
+    expected = build_patterns()[pattern].expected(cfg, "causal_lm")
+    assert c.matched(pattern) == expected, c.unfused(pattern)
+    assert c.unfused(pattern) == []
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    ops = c.ops()
+    for op in GONE.get(pattern, []):
+        assert ops[op] == 0, (op, ops)
+
+
+def test_all_patterns_together_leave_no_norm_math():
+    c, got, want, cfg = _run("tiny-ple-shared", list(PATTERN_NAMES))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    ops = c.ops()
+    for op in ("pow", "mean", "type_as", "gelu", "tanh", "neg"):
+        assert ops[op] == 0, (op, ops)
+    fused = c.gemma4opt_ops()
+    L, shared = cfg.num_hidden_layers, cfg.num_kv_shared_layers
+    assert fused["rms_norm_rope"] == 2 * L - shared
+    assert fused["add_rms_norm"] == 2 * L
+    assert fused["linear_softcap"] == 1
+
+
+def test_merged_weights_are_views_not_copies():
+    model = tiny("tiny-k-eq-v")
+    before = sum(p.numel() for p in model.parameters())
+    Compiled(model, ["merged_projections"], text_config=model.config)
+    attn = model.model.layers[1].self_attn
+    merged = attn._gemma4opt_merged_weight
+    assert attn.q_proj.weight.data_ptr() == merged.data_ptr()
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == merged.untyped_storage().data_ptr()
+    assert sum(p.numel() for p in model.parameters()) == before
+    assert "_gemma4opt_merged_weight" not in "".join(model.state_dict())
+
+
+def test_norm_rope_refuses_non_rope_consumer():
+    """A q_norm whose output is used elsewhere too keeps its plain rms_norm, with a reason."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_norm = Gemma4RMSNorm(8)
+
+        def forward(self, x, cos, sin):
+            y = self.q_norm(x)
+            rot = torch.cat((-y[..., 4:], y[..., :4]), dim=-1)
+            return y * cos + rot * sin, y.sum()
+
+    m = Attn()
+    x, cos, sin = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 1, 8), torch.randn(1, 3, 1, 8)
+    c = Compiled(m, ["rms_norm", "norm_rope"])
+    out = c(x, cos, sin)
+    assert c.matched("norm_rope") == 0
+    assert "not consumed by a rotate_half RoPE" in c.unfused("norm_rope")[0]
+    torch.testing.assert_close(out[0], m(x, cos, sin)[0])
