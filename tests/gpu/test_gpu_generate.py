@@ -23,6 +23,7 @@ def test_tiny_variants_fp32_tokens_equal_eager(variant):
     assert torch.equal(_gen(model, ids, 16), want)
     rep = gemma4opt.report(model, print_table=False)
     assert all(r.complete for r in rep.rows), str(rep)
+    assert rep.graphed_calls > 0, "decode did not run as CUDA graph replays"
 
 
 @pytest.mark.parametrize("preset", ["31b", "e4b"])
