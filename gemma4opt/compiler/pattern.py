@@ -21,6 +21,13 @@ class PassContext:
         safe = "_g4o_" + name.replace(".", "_")
         if not hasattr(self.gm, safe):
             self.gm.register_buffer(safe, tensor, persistent=False)
+            sources = getattr(self.gm, "_param_name_to_source", None)
+            if sources is not None:
+                # AOTAutograd maps every lifted buffer of a Dynamo graph to a source; a constant
+                # source also makes it a static input (no copy into CUDA-graph memory per replay).
+                from torch._dynamo.source import ConstantSource
+
+                sources[safe] = ConstantSource(safe)
         first = next(iter(self.gm.graph.nodes))
         with self.gm.graph.inserting_before(first):
             node = self.gm.graph.get_attr(safe)

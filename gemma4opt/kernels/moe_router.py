@@ -21,18 +21,19 @@ def _router_kernel(L, PES, P, TW, TI, sl, E, K: tl.constexpr, BLOCK: tl.constexp
     p = e / tl.sum(e, axis=0)
     tl.store(P + row * E + cols, p, mask=mask)
     work = tl.where(mask, p, -1.0)
-    total = 0.0
+    ks = tl.arange(0, K)
+    top_w = tl.zeros([K], dtype=tl.float32)
+    top_i = tl.zeros([K], dtype=tl.int32)
+    # Kept in registers: re-reading our own global stores within a program is not coherent on GPU.
     for k in tl.static_range(K):
         best = tl.max(work, axis=0)
         idx = tl.min(tl.where(work == best, cols, BLOCK), axis=0)
-        tl.store(TI + row * K + k, idx.to(tl.int64))
-        tl.store(TW + row * K + k, best)
-        total += best
+        top_w = tl.where(ks == k, best, top_w)
+        top_i = tl.where(ks == k, idx, top_i)
         work = tl.where(cols == idx, -1.0, work)
-    ks = tl.arange(0, K)
-    w = tl.load(TW + row * K + ks)
-    i = tl.load(TI + row * K + ks)
-    tl.store(TW + row * K + ks, (w / total) * tl.load(PES + i).to(tl.float32))
+    total = tl.sum(top_w, axis=0)
+    tl.store(TI + row * K + ks, top_i.to(tl.int64))
+    tl.store(TW + row * K + ks, (top_w / total) * tl.load(PES + top_i).to(tl.float32))
 
 
 def router_topk_triton(expert_logits: torch.Tensor, per_expert_scale: torch.Tensor, k: int):
