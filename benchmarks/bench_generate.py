@@ -77,9 +77,13 @@ def main(argv=None):
     print(f"# preset {args.preset} layers {cfg.num_hidden_layers} params {nparams / 1e9:.2f} B {dtype} on "
           f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}; copy bandwidth "
           f"{bw / 1e12:.2f} TB/s; prompt {args.prompt}, new {args.new}")
-    results = {b: {} for b in args.batch}
     g = torch.Generator().manual_seed(0)
     prompts = {b: torch.randint(3, cfg.vocab_size, (b, args.prompt), generator=g).to(args.device) for b in args.batch}
+    roof = {b: (weight_bytes_per_step(model, b) + kv_bytes_per_step(model, b, args.prompt + args.new // 2)) / bw * 1e3
+            for b in args.batch}
+    print(f"{'batch':>5} {'system':>15} {'TTFT ms':>9} {'ms/step':>9} {'tok/s':>9} {'roofline':>9} "
+          f"{'vs eager':>9} {'vs static':>9} tokens==eager", flush=True)
+    rows, results = [], {b: {} for b in args.batch}
     for system in args.systems:          # gemma4opt last: optimize() changes the model instance
         kw = {}
         if system == "static_compile":
@@ -92,32 +96,22 @@ def main(argv=None):
             gemma4opt.optimize(model)
         for b in args.batch:
             ttft, ms, out = measure(model, prompts[b], args.new, args.device, args.repeats, **kw)
-            results[b][system] = dict(ttft_ms=ttft, ms_per_step=ms, out=out)
+            res = results[b]
+            res[system] = dict(ms_per_step=ms, out=out)
+            same = torch.equal(out, res["eager"]["out"]) if "eager" in res else None
+            row = dict(preset=args.preset, layers=cfg.num_hidden_layers, batch=b, prompt=args.prompt, new=args.new,
+                       system=system, ttft_ms=ttft, ms_per_step=ms, tok_s=b * 1e3 / ms, roofline_ms=roof[b],
+                       roofline_frac=roof[b] / ms, tokens_equal_eager=same)
+            vs_e = res["eager"]["ms_per_step"] / ms if "eager" in res else float("nan")
+            vs_s = res["static_compile"]["ms_per_step"] / ms if "static_compile" in res else float("nan")
+            print(f"{b:>5} {system:>15} {ttft:>9.1f} {ms:>9.2f} {row['tok_s']:>9.1f} {row['roofline_frac']:>8.0%} "
+                  f"{vs_e:>8.2f}x {vs_s:>8.2f}x {same}   (roofline {roof[b]:.2f} ms)", flush=True)
+            rows.append(row)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(row) + "\n")
         if system == "gemma4opt":
             gemma4opt.report(model)
-    rows = []
-    print(f"{'batch':>5} {'system':>15} {'TTFT ms':>9} {'ms/step':>9} {'tok/s':>9} {'roofline':>9} "
-          f"{'vs eager':>9} {'vs static':>9} tokens==eager")
-    for b in args.batch:
-        ctx = args.prompt + args.new // 2
-        roof_ms = (weight_bytes_per_step(model, b) + kv_bytes_per_step(model, b, ctx)) / bw * 1e3
-        res = results[b]
-        for system, r in res.items():
-            same = torch.equal(r["out"], res["eager"]["out"]) if "eager" in res else None
-            row = dict(preset=args.preset, layers=cfg.num_hidden_layers, batch=b, prompt=args.prompt, new=args.new,
-                       system=system, ttft_ms=r["ttft_ms"], ms_per_step=r["ms_per_step"],
-                       tok_s=b * 1e3 / r["ms_per_step"], roofline_ms=roof_ms,
-                       roofline_frac=roof_ms / r["ms_per_step"], tokens_equal_eager=same)
-            vs_e = res["eager"]["ms_per_step"] / r["ms_per_step"] if "eager" in res else float("nan")
-            vs_s = (res["static_compile"]["ms_per_step"] / r["ms_per_step"]) if "static_compile" in res else float("nan")
-            print(f"{b:>5} {system:>15} {r['ttft_ms']:>9.1f} {r['ms_per_step']:>9.2f} {row['tok_s']:>9.1f} "
-                  f"{row['roofline_frac']:>8.0%} {vs_e:>8.2f}x {vs_s:>8.2f}x {same}")
-            rows.append(row)
-        print(f"{b:>5} {'HBM roofline':>15} {'':>9} {roof_ms:>9.2f}")
-    if args.json:
-        with open(args.json, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
     return rows
 
 
