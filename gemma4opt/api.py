@@ -131,10 +131,14 @@ def optimize(model, config: Gemma4OptConfig | None = None):
 
     state.pass_manager = PassManager(enabled, ctx_factory, state.stats)
     state.original_forward = target.forward
-    state.compiled_forward = torch.compile(_own_code_entry(target.forward), backend=make_backend(state, False),
-                                           fullgraph=True)
+    # With decode graphs, prefill runs the rewritten graph as captured: its shape changes with
+    # every prompt length, an Inductor compile per shape costs minutes on real models, and a
+    # compute-bound prefill gains little from it (its GEMMs and fused kernels run either way).
+    lower_prefill = cfg.inductor and not cfg.cuda_graphs
+    state.compiled_forward = torch.compile(_own_code_entry(target.forward),
+                                           backend=make_backend(state, lower_prefill), fullgraph=True)
     if cfg.cuda_graphs:
-        state.decode_forward = torch.compile(_own_code_entry(target.forward), backend=make_backend(state, True),
+        state.decode_forward = torch.compile(_own_code_entry(target.forward), backend=make_backend(state, True, True),
                                              fullgraph=True)
     target.forward = _make_forward(target, state)
 

@@ -16,6 +16,7 @@ class Gemma4OptConfig:
         ``None`` means all of them. An empty tuple captures the graph but rewrites nothing.
     inductor: lower the rewritten graph with Inductor. ``None`` = on CUDA only (on CPU the graph
         runs as captured, calling the reference ops, so CPU results equal HF's bit for bit).
+        With cuda_graphs, only decode graphs are lowered; prefill runs the rewritten graph as is.
     cuda_graphs: replay decode steps as CUDA graphs (Inductor cudagraph trees over the static
         cache). ``None`` = on when on CUDA with a static cache.
     cache: KV cache ``generate`` uses when the caller passes none. "auto" = "static" on CUDA

@@ -7,14 +7,18 @@ import torch.fx as fx
 from gemma4opt.compiler.pass_manager import PassManager
 
 
-def make_backend(state, cuda_graphs: bool):
-    """A Dynamo backend bound to one optimized model's state (see gemma4opt.api)."""
+def make_backend(state, lower: bool, cuda_graphs: bool = False):
+    """A Dynamo backend bound to one optimized model's state (see gemma4opt.api).
+
+    lower: hand the rewritten graph to Inductor; otherwise run it as captured (gemma4opt ops +
+    aten calls). cuda_graphs: Inductor replays it as CUDA graphs (decode on a static cache).
+    """
 
     def gemma4opt_backend(gm: fx.GraphModule, example_inputs):
         index = state.graphs_compiled
         state.graphs_compiled += 1
         state.pass_manager.run(gm, index)
-        if not state.config.inductor:
+        if not lower:
             return gm.forward
         from torch._inductor.compile_fx import compile_fx
 
