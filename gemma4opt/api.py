@@ -19,7 +19,8 @@ from gemma4opt.patterns import build_patterns
 
 SUPPORTED_CLASSES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-SUPPORTED_DEVICES = ("cpu", "cuda")
+# "meta": capture and rewrite full-size configs without their memory, to read the report.
+SUPPORTED_DEVICES = ("cpu", "cuda", "meta")
 # Per-call features the captured graph does not cover: these calls run HF's own forward.
 _FALLBACK_KWARGS = ("output_attentions", "output_hidden_states", "output_router_logits", "labels",
                     "return_shared_kv_states")
