@@ -1,0 +1,157 @@
+"""Host-side KV page bookkeeping for one attention kind, vectorized over the batch (numpy only).
+
+Each sequence holds its pages in a ring of ``ring`` slots: full-attention kinds get a ring as long
+as the longest sequence, sliding kinds one just long enough for the window plus the step's
+tokens, and pages that no query can see any more are returned to the pool every step. Page
+metadata for a step (indptr, indices, last_page_len, slot mapping) comes out of a handful of
+numpy calls whatever the batch size: no Python loop over requests, nothing read from a GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class PoolExhausted(RuntimeError):
+    """Raised before any page is handed out or any KV written."""
+
+
+class PagePool:
+    """A free list of page ids [0, num_pages)."""
+
+    def __init__(self, num_pages: int, page_size: int, what: str = "KV pool"):
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError(f"{what}: num_pages ({num_pages}) and page_size ({page_size}) must be positive")
+        self.num_pages, self.page_size, self.what = num_pages, page_size, what
+        self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int32)   # a stack: pop from the end
+        self._top = num_pages
+
+    @property
+    def free_pages(self) -> int:
+        return self._top
+
+    def alloc(self, n: int) -> np.ndarray:
+        if n > self._top:
+            raise PoolExhausted(
+                f"{self.what}: need {n} more KV pages of {self.page_size} tokens, {self._top} of {self.num_pages} "
+                f"free. Raise Gemma4OptConfig.kv_pool_pages (or kv_pool_fraction), or lower max_batch_size / "
+                f"max_seq_len; nothing was overwritten.")
+        self._top -= n
+        return self._free[self._top:self._top + n][::-1].copy()
+
+    def free(self, ids: np.ndarray) -> None:
+        n = len(ids)
+        if n:
+            self._free[self._top:self._top + n] = ids
+            self._top += n
+
+
+@dataclass
+class StepMeta:
+    """Page metadata of one step for a batch (host arrays; int32 except positions)."""
+
+    kv_indptr: np.ndarray        # [B+1] live pages per sequence, prefix-summed
+    kv_indices: np.ndarray       # [sum live pages] page ids, each sequence's in order
+    kv_last_page_len: np.ndarray  # [B] tokens in each sequence's last page
+    kv_start: np.ndarray         # [B] absolute position of each sequence's first live token
+    qo_indptr: np.ndarray        # [B+1] new tokens per sequence, prefix-summed
+    slot_mapping: np.ndarray     # [sum new tokens] page_id * page_size + offset, where each new token goes
+    seq_lens: np.ndarray         # [B] tokens per sequence after this step
+
+
+class PagedSequences:
+    """Page tables of up to ``max_batch`` sequences for one attention kind."""
+
+    def __init__(self, pool: PagePool, max_batch: int, max_seq_len: int, window: int | None = None,
+                 max_step_tokens: int | None = None):
+        ps = pool.page_size
+        self.pool, self.window = pool, window
+        full_ring = -(-max_seq_len // ps) + 1
+        if window is None:
+            self.ring = full_ring
+        else:
+            step = max_step_tokens if max_step_tokens is not None else max_seq_len
+            self.ring = min(full_ring, -(-(window + step) // ps) + 2)
+        self.table = np.zeros((max_batch, self.ring), dtype=np.int32)
+        self.seq_len = np.zeros(max_batch, dtype=np.int64)      # tokens written
+        self.first = np.zeros(max_batch, dtype=np.int64)        # first live logical page
+        self.count = np.zeros(max_batch, dtype=np.int64)        # logical pages allocated so far (live + freed)
+        self.active = np.zeros(max_batch, dtype=bool)
+        self.max_seq_len = max_seq_len
+
+    def pages_held(self) -> int:
+        return int((self.count - self.first)[self.active].sum())
+
+    def step(self, rows: np.ndarray, new_tokens: np.ndarray) -> StepMeta:
+        """Append ``new_tokens[i]`` tokens to sequence ``rows[i]``; free what no query can see; return metadata."""
+        rows = np.asarray(rows, dtype=np.int64)
+        new = np.asarray(new_tokens, dtype=np.int64)
+        ps, ring = self.pool.page_size, self.ring
+        old_len = self.seq_len[rows]
+        new_len = old_len + new
+        if (new_len > self.max_seq_len).any():
+            i = int(np.argmax(new_len > self.max_seq_len))
+            raise ValueError(f"sequence {int(rows[i])} would hold {int(new_len[i])} tokens; "
+                             f"Gemma4OptConfig.max_seq_len is {self.max_seq_len}")
+        # Pages no query of this step can see: every token below (first query position - window + 1).
+        if self.window is not None:
+            dead = np.maximum(old_len - self.window + 1, 0) // ps
+            drop = np.maximum(dead - self.first[rows], 0)
+            if drop.any():
+                self._release(rows, self.first[rows], drop)
+                self.first[rows] += drop
+        need_total = -(-new_len // ps)
+        grow = need_total - self.count[rows]
+        live_after = need_total - self.first[rows]
+        if (live_after > ring).any():
+            raise ValueError(f"a sequence needs {int(live_after.max())} live pages, ring holds {ring}: "
+                             "raise max_step_tokens (prefill chunk) for this sliding kind")
+        n_alloc = int(grow.sum())
+        if n_alloc:
+            ids = self.pool.alloc(n_alloc)
+            seq_of = np.repeat(np.arange(len(rows)), grow)
+            logical = np.repeat(self.count[rows], grow) + _ranks(grow)
+            self.table[rows[seq_of], logical % ring] = ids
+        self.count[rows] = need_total
+        self.seq_len[rows] = new_len
+        self.active[rows] = True
+        return self._meta(rows, old_len, new, new_len)
+
+    def _meta(self, rows, old_len, new, new_len) -> StepMeta:
+        ps, ring = self.pool.page_size, self.ring
+        live = self.count[rows] - self.first[rows]
+        kv_indptr = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(live, out=kv_indptr[1:])
+        seq_of = np.repeat(np.arange(len(rows)), live)
+        logical = np.repeat(self.first[rows], live) + _ranks(live)
+        kv_indices = self.table[rows[seq_of], logical % ring]
+        qo_indptr = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(new, out=qo_indptr[1:])
+        tok_seq = np.repeat(np.arange(len(rows)), new)
+        pos = np.repeat(old_len, new) + _ranks(new)
+        slots = self.table[rows[tok_seq], (pos // ps) % ring].astype(np.int64) * ps + pos % ps
+        return StepMeta(kv_indptr, kv_indices.astype(np.int32), ((new_len - 1) % ps + 1).astype(np.int32),
+                        self.first[rows] * ps, qo_indptr, slots, new_len.copy())
+
+    def _release(self, rows, start, n) -> None:
+        seq_of = np.repeat(np.arange(len(rows)), n)
+        logical = np.repeat(start, n) + _ranks(n)
+        self.pool.free(self.table[rows[seq_of], logical % self.ring])
+
+    def release(self, rows) -> None:
+        """Return every page of these sequences to the pool (generate finished or raised)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        rows = rows[self.active[rows]]
+        self._release(rows, self.first[rows], self.count[rows] - self.first[rows])
+        self.seq_len[rows] = self.first[rows] = self.count[rows] = 0
+        self.active[rows] = False
+
+
+def _ranks(counts: np.ndarray) -> np.ndarray:
+    """[0..c0-1, 0..c1-1, ...] for counts c, without a Python loop."""
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.arange(total, dtype=np.int64) - starts

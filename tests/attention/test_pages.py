@@ -1,0 +1,79 @@
+"""Host page tables: vectorized metadata against a per-sequence Python model, sliding frees, exhaustion."""
+import numpy as np
+import pytest
+
+from gemma4opt.attention.pages import PagedSequences, PagePool, PoolExhausted
+
+
+def _check(meta, seqs, rows, ps, window):
+    """Every live page in order, last_page_len and slots agree with a simple per-sequence model."""
+    for i, r in enumerate(rows):
+        L = seqs.seq_len[r]
+        first = seqs.first[r]
+        pages = meta.kv_indices[meta.kv_indptr[i]:meta.kv_indptr[i + 1]]
+        assert len(pages) == -(-L // ps) - first
+        assert meta.kv_start[i] == first * ps
+        assert meta.kv_last_page_len[i] == (L - 1) % ps + 1
+        if window is not None:   # kept pages cover every token the step's first query can see
+            assert first * ps <= max(L - (meta.qo_indptr[i + 1] - meta.qo_indptr[i]) - window + 1, 0)
+
+
+@pytest.mark.parametrize("window", [None, 5, 8])
+def test_random_steps_against_model(window):
+    rng = np.random.default_rng(0)
+    ps = 4
+    pool = PagePool(200, ps)
+    seqs = PagedSequences(pool, max_batch=6, max_seq_len=80, window=window)
+    owner = {}   # page -> (row, logical) for pages currently held
+    written = {}  # (row, pos) -> slot
+    for step in range(12):
+        rows = np.sort(rng.choice(6, size=rng.integers(1, 7), replace=False))
+        new = rng.integers(1, 6, size=len(rows)) if step < 3 else np.ones(len(rows), dtype=int)
+        before = {int(r): int(seqs.seq_len[r]) for r in rows}
+        meta = seqs.step(rows, new)
+        _check(meta, seqs, rows, ps, window)
+        # slots: the new tokens land in distinct slots of pages this sequence holds
+        tok = 0
+        for i, r in enumerate(rows):
+            pages = set(meta.kv_indices[meta.kv_indptr[i]:meta.kv_indptr[i + 1]].tolist())
+            for p in range(before[int(r)], before[int(r)] + new[i]):
+                slot = int(meta.slot_mapping[tok])
+                assert slot // ps in pages and slot % ps == p % ps
+                written[(int(r), p)] = slot
+                tok += 1
+        held = [set(meta.kv_indices[meta.kv_indptr[i]:meta.kv_indptr[i + 1]].tolist()) for i in range(len(rows))]
+        for a in range(len(held)):
+            for b in range(a + 1, len(held)):
+                assert not held[a] & held[b], "two sequences share a page"
+    assert pool.free_pages + seqs.pages_held() == 200
+    seqs.release(np.arange(6))
+    assert pool.free_pages == 200 and seqs.pages_held() == 0
+    del owner, written
+
+
+def test_sliding_kind_holds_bounded_pages_over_long_generation():
+    ps, window = 16, 64
+    pool = PagePool(64, ps)
+    seqs = PagedSequences(pool, max_batch=2, max_seq_len=10_000, window=window, max_step_tokens=128)
+    seqs.step(np.array([0, 1]), np.array([100, 30]))
+    for _ in range(2000):
+        seqs.step(np.array([0, 1]), np.array([1, 1]))
+    per_seq = -(-(window + 1) // ps) + 1
+    assert seqs.pages_held() <= 2 * per_seq
+    assert seqs.seq_len[0] == 2100
+
+
+def test_exhaustion_raises_before_anything_changes():
+    pool = PagePool(3, 4)
+    seqs = PagedSequences(pool, max_batch=2, max_seq_len=100)
+    seqs.step(np.array([0]), np.array([8]))
+    table_before = seqs.table.copy()
+    with pytest.raises(PoolExhausted, match="kv_pool_pages.*nothing was overwritten"):
+        seqs.step(np.array([1]), np.array([9]))
+    assert pool.free_pages == 1 and (seqs.table == table_before).all() and seqs.seq_len[1] == 0
+
+
+def test_max_seq_len_is_enforced():
+    seqs = PagedSequences(PagePool(100, 4), max_batch=1, max_seq_len=10)
+    with pytest.raises(ValueError, match="max_seq_len is 10"):
+        seqs.step(np.array([0]), np.array([11]))
