@@ -6,6 +6,7 @@ import dataclasses
 from gemma4opt.patterns import PATTERN_NAMES
 
 _CACHES = ("auto", "dynamic", "static")
+_ATTENTION = ("hf", "paged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,12 +22,23 @@ class Gemma4OptConfig:
         cache). ``None`` = on when on CUDA with a static cache.
     cache: KV cache ``generate`` uses when the caller passes none. "auto" = "static" on CUDA
         (fixed shapes: one decode graph, no recompiles), "dynamic" on CPU.
+    attention: "hf" keeps HF's attention over HF's cache. "paged" gives generate a paged KV cache
+        (gemma4opt.attention) whose attention reads page tables built on the host; sliding layers
+        free the pages their window left behind. CPU (reference attention) only for now: the
+        FlashInfer path is not verified on a GPU yet, so CUDA models refuse it.
+    page_size, max_batch_size, max_seq_len, kv_pool_pages: the paged cache's shape; kv_pool_pages
+        (per attention kind) defaults to max_batch_size full-length sequences.
     """
 
     patterns: tuple[str, ...] | None = None
     inductor: bool | None = None
     cuda_graphs: bool | None = None
     cache: str = "auto"
+    attention: str = "hf"
+    page_size: int = 16
+    max_batch_size: int = 8
+    max_seq_len: int = 2048
+    kv_pool_pages: int | None = None
 
     def __post_init__(self):
         if self.patterns is not None:
@@ -37,6 +49,11 @@ class Gemma4OptConfig:
                 )
         if self.cache not in _CACHES:
             raise ValueError(f"Gemma4OptConfig.cache={self.cache!r}; supported: {list(_CACHES)}")
+        if self.attention not in _ATTENTION:
+            raise ValueError(f"Gemma4OptConfig.attention={self.attention!r}; supported: {list(_ATTENTION)}")
+        for name in ("page_size", "max_batch_size", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Gemma4OptConfig.{name} must be positive, got {getattr(self, name)}")
 
     def enabled_patterns(self) -> tuple[str, ...]:
         if self.patterns is None:
@@ -49,6 +66,9 @@ class Gemma4OptConfig:
         cache = self.cache if self.cache != "auto" else ("static" if on_cuda else "dynamic")
         inductor = on_cuda if self.inductor is None else self.inductor
         graphs = (on_cuda and cache == "static") if self.cuda_graphs is None else self.cuda_graphs
+        if self.attention == "paged" and on_cuda:
+            raise ValueError("Gemma4OptConfig.attention='paged' is CPU-only for now (its FlashInfer path is not "
+                             "verified on a GPU yet); use attention='hf' on CUDA")
         if graphs and not on_cuda:
             raise ValueError("Gemma4OptConfig.cuda_graphs=True needs a CUDA model; this model is on " + device_type)
         if graphs and not inductor:

@@ -4,6 +4,7 @@ from gemma4opt.ops import (  # noqa: F401
     gelu_tanh_mul,
     linear_softcap,
     moe_router,
+    paged_attention,
     rms_norm,
     rms_norm_rope,
 )

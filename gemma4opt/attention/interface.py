@@ -1,0 +1,38 @@
+"""The attention function HF's Gemma-4 layers call when an optimized model runs on a paged cache.
+
+Registered once in transformers' AttentionInterface under ATTN_NAME (its extension point; no
+HF class is patched) and selected on the optimized model's own config. Outside a paged step
+(no paged cache, HF fallbacks without one) it is plain SDPA.
+"""
+from __future__ import annotations
+
+import torch
+
+ATTN_NAME = "gemma4opt_paged"
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                            sliding_window=None, **kwargs):
+    ctx = getattr(module, "_gemma4opt_ctx", None)
+    if ctx is None or not ctx.active:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      sliding_window=sliding_window, **kwargs)
+    layer = module.layer_idx
+    meta = ctx.meta[module.layer_type]
+    kv = ctx.kv[ctx.producer[layer]]
+    if not module.is_kv_shared_layer:
+        torch.ops.gemma4opt.kv_append(kv, key.transpose(1, 2), value.transpose(1, 2), meta["slot_mapping"],
+                                      ctx.token_index)
+    out = torch.ops.gemma4opt.paged_attention(
+        query.transpose(1, 2), kv, meta["kv_indptr"], meta["kv_indices"], meta["kv_last_page_len"],
+        meta["kv_start"], meta["seq_lens"], ctx.new_lens, int(module.sliding_window or -1),
+        float(scaling if scaling is not None else module.scaling))
+    return out, None
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, paged_attention_forward)

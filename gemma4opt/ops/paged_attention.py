@@ -1,0 +1,51 @@
+"""gemma4opt::kv_append and gemma4opt::paged_attention — the paged KV cache's two ops.
+
+kv_append(kv, k, v, slot_mapping, token_index): write the step's real tokens (rows
+``token_index`` of k/v flattened to [B*T, kv_heads, D]; left padding is skipped) into their slots.
+
+paged_attention(q, kv, meta..., window, scale): q is [B, Tq, H, D]; the queries of sequence b are
+its last ``min(Tq, new_lens[b])`` rows (the others are left padding, output zero). Sequence b holds
+``seq_lens[b]`` tokens, whose live pages are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
+
+CPU: the reference (gather + SDPA). CUDA: not yet (FlashInfer is the next step); optimize()
+refuses attention="paged" on CUDA until it is verified on the GPU.
+"""
+from __future__ import annotations
+
+import torch
+
+from gemma4opt.attention.reference import kv_append_reference, paged_attention_reference
+
+
+@torch.library.custom_op("gemma4opt::kv_append", mutates_args=("kv",))
+def kv_append(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+              token_index: torch.Tensor) -> None:
+    flat_k = k.reshape(-1, k.shape[-2], k.shape[-1])[token_index]
+    flat_v = v.reshape(-1, v.shape[-2], v.shape[-1])[token_index]
+    kv_append_reference(kv, flat_k, flat_v, slot_mapping)
+
+
+@kv_append.register_fake
+def _(kv, k, v, slot_mapping, token_index):
+    return None
+
+
+@torch.library.custom_op("gemma4opt::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                    kv_last_page_len: torch.Tensor, kv_start: torch.Tensor, seq_lens: torch.Tensor,
+                    new_lens: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    B, Tq = q.shape[:2]
+    n = torch.clamp(new_lens, max=Tq)
+    rows = torch.arange(Tq, device=q.device)[None, :] >= (Tq - n)[:, None]       # [B, Tq] real query rows
+    qo_indptr = torch.zeros(B + 1, dtype=torch.int32, device=q.device)
+    qo_indptr[1:] = torch.cumsum(n, 0)
+    out = torch.zeros_like(q)
+    flat = paged_attention_reference(q[rows], kv, kv_indptr, kv_indices, kv_last_page_len, kv_start, qo_indptr,
+                                     seq_lens, window if window > 0 else None, scale)
+    out[rows] = flat
+    return out
+
+
+@paged_attention.register_fake
+def _(q, kv, kv_indptr, kv_indices, kv_last_page_len, kv_start, seq_lens, new_lens, window, scale):
+    return torch.empty_like(q)

@@ -1,0 +1,1 @@
+"""Per-step runtime state (the paged KV step context)."""

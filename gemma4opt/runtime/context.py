@@ -1,0 +1,99 @@
+"""StepContext: one optimized model's KV pages and the metadata of the step being run.
+
+Built once per model (the pool is reused by every generate call). Before each forward the
+host builds the step's page metadata in numpy (see attention/pages.py) and hands it to the
+graph as small int tensors; the attention layers find it through ``module._gemma4opt_ctx``
+instead of threading arguments through HF's model code.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from gemma4opt.attention.pages import PagedSequences, PagePool
+
+KINDS = ("sliding_attention", "full_attention")
+
+
+def kv_producers(cfg) -> dict[int, int]:
+    """layer -> the layer whose KV it reads (itself, or for KV-shared layers the last owner of its type)."""
+    first_shared = cfg.num_hidden_layers - (cfg.num_kv_shared_layers or 0)
+    out = {}
+    for i, kind in enumerate(cfg.layer_types):
+        if i < first_shared:
+            out[i] = i
+        else:
+            out[i] = max(j for j in range(first_shared) if cfg.layer_types[j] == kind)
+    return out
+
+
+class StepContext:
+    def __init__(self, text_config, opt_config, device, dtype):
+        cfg, oc = text_config, opt_config
+        self.page_size = oc.page_size
+        self.max_batch = oc.max_batch_size
+        pages_per_seq = -(-oc.max_seq_len // oc.page_size) + 1
+        n_pages = oc.kv_pool_pages or self.max_batch * pages_per_seq
+        self.windows = {"sliding_attention": cfg.sliding_window, "full_attention": None}
+        self.seqs = {k: PagedSequences(PagePool(n_pages, oc.page_size, f"{k} KV pool"), self.max_batch,
+                                       oc.max_seq_len, self.windows[k]) for k in KINDS}
+        self.producer = kv_producers(cfg)
+        self.layer_kind = list(cfg.layer_types)
+        self.kv: dict[int, torch.Tensor] = {}
+        for layer, owner in self.producer.items():
+            if layer == owner:
+                lc = cfg.per_layer_config[layer]
+                self.kv[layer] = torch.zeros(n_pages, 2, oc.page_size, lc.num_key_value_heads, lc.head_dim,
+                                             device=device, dtype=dtype)
+        self.device = device
+        self.active = False
+        self.owner = None           # the PagedCache whose rows are in the page tables
+        self.meta: dict[str, dict[str, torch.Tensor]] = {}
+        self.token_index: torch.Tensor | None = None
+        self.new_lens: torch.Tensor | None = None
+
+    def begin_step(self, cache, batch: int, tokens: int, attention_mask) -> None:
+        """Host-side metadata for this forward. Reads the 2-D attention mask at prefill only."""
+        if cache.rows is None:
+            if self.owner is not None and not self.owner.released:
+                raise RuntimeError("gemma4opt: one paged generate at a time per model; the previous one still holds "
+                                   "its pages (call cache.release())")
+            if batch > self.max_batch:
+                raise ValueError(f"batch {batch} exceeds Gemma4OptConfig.max_batch_size={self.max_batch}")
+            cache.rows = np.arange(batch)
+            self.owner = cache
+            if attention_mask is not None and attention_mask.dim() == 2:
+                real = attention_mask.detach().to("cpu", torch.bool).numpy()   # once, at prefill
+            else:
+                real = np.ones((batch, tokens), dtype=bool)
+        else:
+            real = np.ones((batch, tokens), dtype=bool)
+        new = real.sum(1)
+        token_index = np.flatnonzero(real.reshape(-1))
+        self.meta = {}
+        for kind in KINDS:
+            m = self.seqs[kind].step(cache.rows, new)
+            self.meta[kind] = self._to_device(dict(
+                kv_indptr=m.kv_indptr, kv_indices=m.kv_indices, kv_last_page_len=m.kv_last_page_len,
+                kv_start=m.kv_start, seq_lens=m.seq_lens, slot_mapping=m.slot_mapping))
+        self.token_index = self._to_device(dict(t=token_index))["t"]
+        self.new_lens = self._to_device(dict(n=new))["n"]
+
+    def _to_device(self, arrays: dict) -> dict:
+        out = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+        if self.device.type != "cpu":
+            out = {k: t.pin_memory().to(self.device, non_blocking=True) for k, t in out.items()}
+        return out
+
+    def release(self, cache) -> None:
+        if cache.rows is not None:
+            for kind in KINDS:
+                self.seqs[kind].release(cache.rows)
+        if self.owner is cache:
+            self.owner = None
+        self.active = False
+
+    def kv_bytes_held(self) -> int:
+        """KV bytes the live pages of the current sequences occupy, over every owning layer."""
+        return sum(t[0].numel() * t.element_size() * self.seqs[self.layer_kind[layer]].pages_held()
+                   for layer, t in self.kv.items())

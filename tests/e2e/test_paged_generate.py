@@ -1,0 +1,95 @@
+"""attention="paged": generate on the paged KV cache == HF eager, pages freed and reused."""
+import numpy as np
+import pytest
+import torch
+
+import gemma4opt
+from gemma4opt import Gemma4OptConfig
+from gemma4opt.attention.pages import PoolExhausted
+from tests.models import VARIANTS, WINDOW, prompt, tiny
+
+PAGED = Gemma4OptConfig(attention="paged", page_size=4, max_seq_len=96, max_batch_size=4)
+
+
+def _gen(model, ids, new=10, **kw):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=new, do_sample=False, **kw)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tokens_equal_eager_below_at_past_window_with_left_padding(variant):
+    model = tiny(variant)
+    cases = []
+    for length in (WINDOW - 1, WINDOW, WINDOW + 1, 2 * WINDOW + 3):
+        ids = prompt(2, length, seed=length)
+        mask = torch.ones_like(ids)
+        mask[1, : length // 3] = 0             # row 1 left-padded
+        ids[1, : length // 3] = 0
+        cases.append((ids, mask, _gen(model, ids, attention_mask=mask)))
+    gemma4opt.optimize(model, PAGED)
+    ctx = model._gemma4opt.context
+    for ids, mask, want in cases:              # repeated generate calls reuse the pool
+        assert torch.equal(_gen(model, ids, attention_mask=mask), want)
+        assert all(s.pages_held() == 0 for s in ctx.seqs.values()), "pages not released after generate"
+    assert all(r.complete for r in gemma4opt.report(model, print_table=False).rows)
+
+
+def test_sliding_pages_are_freed_during_long_generation():
+    model = tiny("tiny")
+    gemma4opt.optimize(model, PAGED)
+    ctx = model._gemma4opt.context
+    held = {}
+    real_step = ctx.begin_step
+
+    def spy(cache, *a):
+        real_step(cache, *a)
+        held.setdefault("sliding", []).append(ctx.seqs["sliding_attention"].pages_held())
+        held.setdefault("full", []).append(ctx.seqs["full_attention"].pages_held())
+
+    ctx.begin_step = spy
+    _gen(model, prompt(1, 5), new=60)
+    ps = PAGED.page_size
+    # the window (8 tokens) never needs more than ceil(8 / 4) + 1 pages; full layers keep everything
+    assert max(held["sliding"][5:]) <= -(-WINDOW // ps) + 1
+    assert held["full"][-1] == -(-(5 + 59) // ps)
+
+
+def test_pool_exhaustion_is_a_clear_error_and_pages_come_back():
+    model = tiny("tiny")
+    gemma4opt.optimize(model, Gemma4OptConfig(attention="paged", page_size=4, max_seq_len=96, kv_pool_pages=6))
+    with pytest.raises(PoolExhausted, match="kv_pool_pages"):
+        _gen(model, prompt(2, 20), new=4)
+    ctx = model._gemma4opt.context
+    assert all(s.pool.free_pages == 6 for s in ctx.seqs.values())
+    assert _gen(model, prompt(1, 6), new=3).shape == (1, 9)   # usable again
+
+
+def test_caller_cache_and_beam_search_use_hf_path():
+    from transformers import DynamicCache
+
+    model = tiny("tiny")
+    ids = prompt(1, 7)
+    want = _gen(model, ids)
+    gemma4opt.optimize(model, PAGED)
+    assert torch.equal(_gen(model, ids, past_key_values=DynamicCache(config=model.config)), want)
+    assert model._gemma4opt.context.owner is None
+
+
+def test_paged_is_refused_on_cuda_until_verified():
+    with pytest.raises(ValueError, match="CPU-only"):
+        PAGED.resolve("cuda")
+
+
+def test_kv_producers_follow_hf_sharing():
+    from gemma4opt.runtime.context import kv_producers
+    from gemma4opt.presets import preset_config
+
+    cfg = preset_config("tiny-ple-shared")
+    prod = kv_producers(cfg)
+    modes = cfg.kv_sharing_modes
+    for layer, owner in prod.items():
+        if modes[layer] == "reuse":
+            assert modes[owner] == "store" and cfg.layer_types[owner] == cfg.layer_types[layer]
+        else:
+            assert owner == layer
+    assert np.unique(list(prod.values())).size == cfg.num_hidden_layers - cfg.num_kv_shared_layers
