@@ -82,14 +82,14 @@ def test_paged_is_refused_on_cuda_until_verified():
 
 def test_kv_producers_follow_hf_sharing():
     from gemma4opt.runtime.context import kv_producers
-    from gemma4opt.presets import preset_config
 
-    cfg = preset_config("tiny-ple-shared")
+    model = tiny("tiny-ple-shared")
+    cfg = model.config
     prod = kv_producers(cfg)
-    modes = cfg.kv_sharing_modes
+    attn = [layer.self_attn for layer in model.model.layers]
     for layer, owner in prod.items():
-        if modes[layer] == "reuse":
-            assert modes[owner] == "store" and cfg.layer_types[owner] == cfg.layer_types[layer]
+        if attn[layer].is_kv_shared_layer:       # HF: reads the KV its type's storing layer keeps
+            assert attn[owner].store_full_length_kv and cfg.layer_types[owner] == cfg.layer_types[layer]
         else:
             assert owner == layer
     assert np.unique(list(prod.values())).size == cfg.num_hidden_layers - cfg.num_kv_shared_layers
