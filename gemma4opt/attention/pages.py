@@ -79,6 +79,7 @@ class PagedSequences:
         self.count = np.zeros(max_batch, dtype=np.int64)        # logical pages allocated so far (live + freed)
         self.active = np.zeros(max_batch, dtype=bool)
         self.max_seq_len = max_seq_len
+        self._cached = None   # (rows, kv_indptr, kv_indices, kv_start) while no page was added or freed
 
     def pages_held(self) -> int:
         return int((self.count - self.first)[self.active].sum())
@@ -94,6 +95,7 @@ class PagedSequences:
             i = int(np.argmax(new_len > self.max_seq_len))
             raise ValueError(f"sequence {int(rows[i])} would hold {int(new_len[i])} tokens; "
                              f"Gemma4OptConfig.max_seq_len is {self.max_seq_len}")
+        changed = False
         # Pages no query of this step can see: every token below (first query position - window + 1).
         if self.window is not None:
             dead = np.maximum(old_len - self.window + 1, 0) // ps
@@ -101,43 +103,53 @@ class PagedSequences:
             if drop.any():
                 self._release(rows, self.first[rows], drop)
                 self.first[rows] += drop
+                changed = True
         need_total = -(-new_len // ps)
         grow = need_total - self.count[rows]
-        live_after = need_total - self.first[rows]
-        if (live_after > ring).any():
-            raise ValueError(f"a sequence needs {int(live_after.max())} live pages, ring holds {ring}: "
-                             "raise max_step_tokens (prefill chunk) for this sliding kind")
+        if (need_total - self.first[rows] > ring).any():
+            raise ValueError(f"a sequence needs {int((need_total - self.first[rows]).max())} live pages, ring holds "
+                             f"{ring}: raise max_step_tokens (prefill chunk) for this sliding kind")
         n_alloc = int(grow.sum())
         if n_alloc:
             ids = self.pool.alloc(n_alloc)
             seq_of = np.repeat(np.arange(len(rows)), grow)
             logical = np.repeat(self.count[rows], grow) + _ranks(grow)
             self.table[rows[seq_of], logical % ring] = ids
-        self.count[rows] = need_total
+            self.count[rows] = need_total
+            changed = True
         self.seq_len[rows] = new_len
         self.active[rows] = True
-        return self._meta(rows, old_len, new, new_len)
+        return self._meta(rows, old_len, new, new_len, changed)
 
-    def _meta(self, rows, old_len, new, new_len) -> StepMeta:
+    def _meta(self, rows, old_len, new, new_len, changed) -> StepMeta:
         ps, ring = self.pool.page_size, self.ring
-        live = self.count[rows] - self.first[rows]
-        kv_indptr = np.zeros(len(rows) + 1, dtype=np.int32)
-        np.cumsum(live, out=kv_indptr[1:])
-        seq_of = np.repeat(np.arange(len(rows)), live)
-        logical = np.repeat(self.first[rows], live) + _ranks(live)
-        kv_indices = self.table[rows[seq_of], logical % ring]
+        cached = self._cached
+        if changed or cached is None or not np.array_equal(cached[0], rows):
+            # Live page lists change only when a page is added or freed (every page_size tokens).
+            first, live = self.first[rows], self.count[rows] - self.first[rows]
+            kv_indptr = np.zeros(len(rows) + 1, dtype=np.int32)
+            np.cumsum(live, out=kv_indptr[1:])
+            j = np.arange(int(live.max()) if len(rows) else 0)
+            grid = self.table[rows[:, None], (first[:, None] + j[None, :]) % ring]
+            kv_indices = grid[j[None, :] < live[:, None]]
+            self._cached = cached = (rows.copy(), kv_indptr, kv_indices, first * ps)
+        _, kv_indptr, kv_indices, kv_start = cached
         qo_indptr = np.zeros(len(rows) + 1, dtype=np.int32)
         np.cumsum(new, out=qo_indptr[1:])
-        tok_seq = np.repeat(np.arange(len(rows)), new)
-        pos = np.repeat(old_len, new) + _ranks(new)
-        slots = self.table[rows[tok_seq], (pos // ps) % ring].astype(np.int64) * ps + pos % ps
-        return StepMeta(kv_indptr, kv_indices.astype(np.int32), ((new_len - 1) % ps + 1).astype(np.int32),
-                        self.first[rows] * ps, qo_indptr, slots, new_len.copy())
+        if len(new) and (new == 1).all():                 # decode: one token per sequence
+            tok_rows, pos = rows, old_len
+        else:
+            tok_rows = rows[np.repeat(np.arange(len(rows)), new)]
+            pos = np.repeat(old_len, new) + _ranks(new)
+        slots = self.table[tok_rows, (pos // ps) % ring].astype(np.int64) * ps + pos % ps
+        return StepMeta(kv_indptr, kv_indices, ((new_len - 1) % ps + 1).astype(np.int32), kv_start, qo_indptr,
+                        slots, new_len)
 
     def _release(self, rows, start, n) -> None:
         seq_of = np.repeat(np.arange(len(rows)), n)
         logical = np.repeat(start, n) + _ranks(n)
         self.pool.free(self.table[rows[seq_of], logical % self.ring])
+        self._cached = None
 
     def release(self, rows) -> None:
         """Return every page of these sequences to the pool (generate finished or raised)."""
