@@ -30,6 +30,7 @@ class Report:
     graphed_calls: int
     fallbacks: dict[str, int]
     rows: list[PatternRow] = field(default_factory=list)
+    attention: str = "hf"       # "hf", or a summary of the paged KV pool
 
     def row(self, pattern: str) -> PatternRow:
         return next(r for r in self.rows if r.pattern == pattern)
@@ -40,6 +41,7 @@ class Report:
             lines.append(f"  NOT OPTIMIZED: {self.disabled_reason} -> every call runs HF's unfused path")
         lines.append(f"  graphs compiled: {self.graphs_compiled}   compiled calls: {self.compiled_calls} "
                      f"(as CUDA graph replays: {self.graphed_calls})")
+        lines.append(f"  attention: {self.attention}")
         if self.fallbacks:
             lines.append("  calls on HF's path: " + ", ".join(f"{k}: {v}" for k, v in self.fallbacks.items()))
         if self.rows:
@@ -62,8 +64,18 @@ def build_report(model) -> Report:
         per = list(st.matched_per_graph)
         matched = per[0] if per and all(m == per[0] for m in per) else None
         rows.append(PatternRow(st.name, st.summary, matched, per, st.expected, list(st.unfused)))
+    attention = "hf (HF attention over HF's cache)"
+    ctx = state.context
+    if ctx is not None:
+        pools = ", ".join(f"{k.split('_')[0]}: {s.pool.num_pages} pages, {s.pages_held()} held"
+                          for k, s in ctx.seqs.items())
+        counts = state.pass_manager.op_counts
+        calls = counts[-1]["gemma4opt.paged_attention.default"] if counts else 0
+        attention = (f"paged (page size {ctx.page_size}; {pools}; {ctx.kv_bytes_held() / 2**20:.1f} MiB of KV "
+                     f"held; last graph: {calls}/{state.text_config.num_hidden_layers} layers call "
+                     f"gemma4opt.paged_attention)")
     return Report(state.model_class, state.scope, state.disabled_reason, state.graphs_compiled,
-                  state.compiled_calls, state.graphed_calls, dict(state.fallbacks), rows)
+                  state.compiled_calls, state.graphed_calls, dict(state.fallbacks), rows, attention)
 
 
 def report(model, print_table: bool = True) -> Report:

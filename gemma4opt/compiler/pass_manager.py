@@ -1,6 +1,7 @@
 """Apply the enabled patterns to one captured graph, in order, and count what they did."""
 from __future__ import annotations
 
+import collections
 import os
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ class PassManager:
         self.ctx_factory = ctx_factory
         self.stats = stats
         self.explain_dir: str | None = None
+        self.op_counts: list[collections.Counter] = []   # gemma4opt ops in each rewritten graph
 
     def run(self, gm: fx.GraphModule, graph_index: int) -> fx.GraphModule:
         ctx: PassContext = self.ctx_factory(gm)
@@ -39,6 +41,8 @@ class PassManager:
             for why in result.unfused:
                 st.unfused[why] = None
             self._dump(gm, graph_index, i, f"after_{pattern.name}")
+        self.op_counts.append(collections.Counter(
+            str(n.target) for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith("gemma4opt.")))
         return gm
 
     def _dump(self, gm: fx.GraphModule, graph_index: int, step: int, label: str) -> None:

@@ -31,7 +31,10 @@ def test_tokens_equal_eager_below_at_past_window_with_left_padding(variant):
     for ids, mask, want in cases:              # repeated generate calls reuse the pool
         assert torch.equal(_gen(model, ids, attention_mask=mask), want)
         assert all(s.pages_held() == 0 for s in ctx.seqs.values()), "pages not released after generate"
-    assert all(r.complete for r in gemma4opt.report(model, print_table=False).rows)
+    rep = gemma4opt.report(model, print_table=False)
+    assert all(r.complete for r in rep.rows)
+    L = model.config.num_hidden_layers
+    assert f"{L}/{L} layers call gemma4opt.paged_attention" in rep.attention
 
 
 def test_sliding_pages_are_freed_during_long_generation():
