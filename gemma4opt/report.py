@@ -70,7 +70,7 @@ def build_report(model) -> Report:
         pools = ", ".join(f"{k.split('_')[0]}: {s.pool.num_pages} pages, {s.pages_held()} held"
                           for k, s in ctx.seqs.items())
         counts = state.pass_manager.op_counts
-        calls = counts[-1]["gemma4opt.paged_attention.default"] if counts else 0
+        calls = counts[-1]["gemma4opt.paged_attention"] if counts else 0
         attention = (f"paged (page size {ctx.page_size}; {pools}; {ctx.kv_bytes_held() / 2**20:.1f} MiB of KV "
                      f"held; last graph: {calls}/{state.text_config.num_hidden_layers} layers call "
                      f"gemma4opt.paged_attention)")

@@ -41,8 +41,9 @@ class PassManager:
             for why in result.unfused:
                 st.unfused[why] = None
             self._dump(gm, graph_index, i, f"after_{pattern.name}")
-        self.op_counts.append(collections.Counter(
-            str(n.target) for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith("gemma4opt.")))
+        self.op_counts.append(collections.Counter(   # "gemma4opt.<op>", whether traced as packet or overload
+            str(n.target).removesuffix(".default") for n in gm.graph.nodes
+            if n.op == "call_function" and str(n.target).startswith("gemma4opt.")))
         return gm
 
     def _dump(self, gm: fx.GraphModule, graph_index: int, step: int, label: str) -> None:
