@@ -12,8 +12,9 @@ PAGED = Gemma4OptConfig(attention="paged", page_size=4, max_seq_len=96, max_batc
 
 
 def _gen(model, ids, new=10, **kw):
+    kw.setdefault("do_sample", False)
     with torch.no_grad():
-        return model.generate(ids, max_new_tokens=new, do_sample=False, **kw)
+        return model.generate(ids, max_new_tokens=new, **kw)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
