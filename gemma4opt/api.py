@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import inspect
 import itertools
 import types
 import warnings
@@ -17,6 +16,7 @@ from gemma4opt.compiler.pass_manager import PassManager, PatternStats
 from gemma4opt.compiler.pattern import PassContext
 from gemma4opt.config import Gemma4OptConfig
 from gemma4opt.patterns import build_patterns
+from gemma4opt.runtime.paged_generate import begin_paged_step, install_paged
 
 SUPPORTED_CLASSES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -146,7 +146,7 @@ def optimize(model, config: Gemma4OptConfig | None = None):
     target.forward = _make_forward(target, state)
 
     if cfg.attention == "paged":
-        _install_paged(model, target, state, device, next(model.parameters()).dtype)
+        install_paged(model, target, state, device, next(model.parameters()).dtype)
 
     gen = getattr(model, "generation_config", None)
     if gen is not None:
@@ -176,7 +176,7 @@ def _make_forward(target, state: OptimizationState):
     @functools.wraps(original)
     def forward(*args, **kwargs):
         if state.context is not None:
-            _begin_paged_step(state.context, args, kwargs)
+            begin_paged_step(state.context, args, kwargs)
         reason = _fallback_reason(target, kwargs)
         if reason is not None:
             if not state.fallbacks[reason]:
@@ -191,52 +191,6 @@ def _make_forward(target, state: OptimizationState):
         return state.compiled_forward(*args, **kwargs)
 
     return forward
-
-
-def _install_paged(model, target, state, device, dtype) -> None:
-    """Paged attention for this instance: KV pool, attention function, and a generate that brings the cache."""
-    from gemma4opt.attention import interface
-    from gemma4opt.attention.cache import PagedCache
-    from gemma4opt.runtime.context import StepContext
-
-    interface.register()
-    ctx = StepContext(state.text_config, state.config, device, dtype)
-    state.context = ctx
-    for module in target.modules():
-        if type(module).__name__ == "Gemma4TextAttention":
-            module._gemma4opt_ctx = ctx
-    state.text_config._attn_implementation = interface.ATTN_NAME
-    cache_kw = "cache" if "cache" in inspect.signature(state.original_forward).parameters else "past_key_values"
-    original_generate = model.generate
-
-    @functools.wraps(original_generate)
-    def generate(*args, **kwargs):
-        beams = kwargs.get("num_beams") or getattr(kwargs.get("generation_config"), "num_beams", 1) or 1
-        if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None or beams > 1:
-            return original_generate(*args, **kwargs)      # the caller's cache / beam search: HF's path
-        cache = PagedCache(ctx, state.text_config.num_hidden_layers)
-        kwargs["past_key_values" if cache_kw == "past_key_values" else "cache"] = cache
-        try:
-            return original_generate(*args, **kwargs)
-        finally:
-            cache.release()                                 # pages go back even when generate raises
-
-    model.generate = generate
-
-
-def _begin_paged_step(ctx, args, kwargs) -> None:
-    from gemma4opt.attention.cache import PagedCache
-
-    cache = _cache_of(kwargs)
-    ctx.active = isinstance(cache, PagedCache)
-    if not ctx.active:
-        return
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    if ids is None:
-        ids = kwargs["inputs_embeds"]
-    ctx.begin_step(cache, ids.shape[0], ids.shape[1], kwargs.get("attention_mask"))
-    # Masks are not needed: attention reads page tables. A dict tells Gemma-4 they are prepared.
-    kwargs["attention_mask"] = {"full_attention": None, "sliding_attention": None}
 
 
 def _cache_of(kwargs):
