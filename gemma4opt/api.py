@@ -175,7 +175,7 @@ def _make_forward(target, state: OptimizationState):
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        if state.context is not None:
+        if state.context is not None and state.scope == "causal_lm":   # else the outer forward began it
             begin_paged_step(state.context, args, kwargs)
         reason = _fallback_reason(target, kwargs)
         if reason is not None:

@@ -35,9 +35,20 @@ def install_paged(model, target, state, device, dtype) -> None:
             cache.release()                                 # pages go back even when generate raises
 
     model.generate = generate
+    if target is not model:
+        # Gemma4ForConditionalGeneration: its own forward sees the 2-D mask and the cache and builds
+        # the text model's mask mapping (image tokens included), so the step starts there.
+        outer = model.forward
+
+        @functools.wraps(outer)
+        def forward(*args, **kwargs):
+            begin_paged_step(ctx, args, kwargs, replace_mask=False)
+            return outer(*args, **kwargs)
+
+        model.forward = forward
 
 
-def begin_paged_step(ctx, args, kwargs) -> None:
+def begin_paged_step(ctx, args, kwargs, replace_mask: bool = True) -> None:
     from gemma4opt.attention.cache import PagedCache
 
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -48,5 +59,6 @@ def begin_paged_step(ctx, args, kwargs) -> None:
     if ids is None:
         ids = kwargs["inputs_embeds"]
     ctx.begin_step(cache, ids.shape[0], ids.shape[1], kwargs.get("attention_mask"))
-    # Masks are not needed: attention reads page tables. A dict tells Gemma-4 they are prepared.
-    kwargs["attention_mask"] = {"full_attention": None, "sliding_attention": None}
+    if replace_mask:
+        # Masks are not needed: attention reads page tables. A dict tells Gemma-4 they are prepared.
+        kwargs["attention_mask"] = {"full_attention": None, "sliding_attention": None}

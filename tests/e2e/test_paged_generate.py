@@ -113,3 +113,22 @@ def test_sampling_and_inductor_lowering_on_paged_cache():
     assert torch.equal(_gen(model, ids), greedy)
     torch.manual_seed(5)
     assert torch.equal(_gen(model, ids, do_sample=True, top_k=20), sampled)
+
+
+def test_conditional_generation_on_paged_cache():
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    from gemma4opt.presets import TINY_PRESETS, randomize_
+
+    torch.manual_seed(0)
+    cfg = Gemma4Config(text_config=TINY_PRESETS["tiny-ple-shared"], vision_config=None, audio_config=None)
+    model = randomize_(Gemma4ForConditionalGeneration(cfg).eval())
+    ids = prompt(2, WINDOW + 5)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ids[0, :3] = 0
+    want = _gen(model, ids, attention_mask=mask)
+    gemma4opt.optimize(model, PAGED)
+    assert torch.equal(_gen(model, ids, attention_mask=mask), want)
+    L = cfg.text_config.num_hidden_layers
+    assert f"{L}/{L} layers call" in gemma4opt.report(model, print_table=False).attention
