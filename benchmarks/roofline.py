@@ -44,11 +44,9 @@ def kv_bytes_per_step(model, batch: int, context: int) -> int:
     cfg = model.config.get_text_config()
     elem = next(model.parameters()).element_size()
     total = 0
-    owners = cfg.num_hidden_layers - (cfg.num_kv_shared_layers or 0)
     for i, kind in enumerate(cfg.layer_types):
         lc = cfg.per_layer_config[i]
         seen = min(context, cfg.sliding_window) if kind == "sliding_attention" else context
         reads = 2 * batch * lc.num_key_value_heads * lc.head_dim * seen * elem
         total += reads  # KV-shared layers read their producer's KV again
-    del owners
     return total

@@ -40,7 +40,6 @@ class OptimizationState:
     config: Gemma4OptConfig
     model_class: str
     scope: str
-    target_path: str
     text_config: object
     stats: dict[str, PatternStats] = field(default_factory=dict)
     graphs_compiled: int = 0
@@ -111,8 +110,7 @@ def optimize(model, config: Gemma4OptConfig | None = None):
     cfg = config.resolve(device.type)
     text_config = model.config.get_text_config()
     scope = "causal_lm" if target is model else "text_model"
-    state = OptimizationState(cfg, type(model).__name__, scope,
-                              "" if target is model else "model.language_model", text_config)
+    state = OptimizationState(cfg, type(model).__name__, scope, text_config)
     model._gemma4opt = state
 
     reason = _unrecognized_config(text_config)
@@ -205,18 +203,19 @@ def _static_cache_ready(kwargs) -> bool:
     addresses, so the first decode call marks them here, once per cache object.
     """
     cache = _cache_of(kwargs)
+    if getattr(cache, "_gemma4opt_static", False):
+        return True                       # checked once per cache object, not every decode step
     if cache is None or not getattr(cache, "is_compileable", False):
         return False
     layers = getattr(cache, "layers", ())
     if not layers or not all(getattr(layer, "is_initialized", False) for layer in layers):
         return False
-    if not getattr(cache, "_gemma4opt_static", False):
-        for layer in layers:
-            for attr in ("keys", "values", "cumulative_length"):
-                t = getattr(layer, attr, None)
-                if isinstance(t, torch.Tensor):
-                    torch._dynamo.mark_static_address(t)
-        cache._gemma4opt_static = True
+    for layer in layers:
+        for attr in ("keys", "values", "cumulative_length"):
+            t = getattr(layer, attr, None)
+            if isinstance(t, torch.Tensor):
+                torch._dynamo.mark_static_address(t)
+    cache._gemma4opt_static = True
     return True
 
 
