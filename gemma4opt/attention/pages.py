@@ -106,11 +106,11 @@ class PagedSequences:
                 changed = True
         need_total = -(-new_len // ps)
         grow = need_total - self.count[rows]
-        if (need_total - self.first[rows] > ring).any():
-            raise ValueError(f"a sequence needs {int((need_total - self.first[rows]).max())} live pages, ring holds "
-                             f"{ring}: raise max_step_tokens (prefill chunk) for this sliding kind")
         n_alloc = int(grow.sum())
         if n_alloc:
+            if (need_total - self.first[rows] > ring).any():
+                raise ValueError(f"a sequence needs {int((need_total - self.first[rows]).max())} live pages, ring "
+                                 f"holds {ring}: raise max_step_tokens (prefill chunk) for this sliding kind")
             ids = self.pool.alloc(n_alloc)
             seq_of = np.repeat(np.arange(len(rows)), grow)
             logical = np.repeat(self.count[rows], grow) + _ranks(grow)
@@ -134,11 +134,12 @@ class PagedSequences:
             kv_indices = grid[j[None, :] < live[:, None]]
             self._cached = cached = (rows.copy(), kv_indptr, kv_indices, first * ps)
         _, kv_indptr, kv_indices, kv_start = cached
-        qo_indptr = np.zeros(len(rows) + 1, dtype=np.int32)
-        np.cumsum(new, out=qo_indptr[1:])
         if len(new) and (new == 1).all():                 # decode: one token per sequence
+            qo_indptr = np.arange(len(rows) + 1, dtype=np.int32)
             tok_rows, pos = rows, old_len
         else:
+            qo_indptr = np.zeros(len(rows) + 1, dtype=np.int32)
+            np.cumsum(new, out=qo_indptr[1:])
             tok_rows = rows[np.repeat(np.arange(len(rows)), new)]
             pos = np.repeat(old_len, new) + _ranks(new)
         slots = self.table[tok_rows, (pos // ps) % ring].astype(np.int64) * ps + pos % ps
