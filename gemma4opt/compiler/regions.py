@@ -73,15 +73,6 @@ class Region:
     def node_set(self) -> set[fx.Node]:
         return set(self.nodes)
 
-    def external_inputs(self) -> list[fx.Node]:
-        inside = self.node_set
-        seen: dict[fx.Node, None] = {}
-        for n in self.nodes:
-            for a in n.all_input_nodes:
-                if a not in inside:
-                    seen[a] = None
-        return list(seen)
-
     def outputs(self) -> list[fx.Node]:
         inside = self.node_set
         return [n for n in self.nodes if any(u not in inside for u in n.users)]

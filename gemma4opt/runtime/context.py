@@ -34,9 +34,9 @@ class StepContext:
         self.max_batch = oc.max_batch_size
         pages_per_seq = -(-oc.max_seq_len // oc.page_size) + 1
         n_pages = oc.kv_pool_pages or self.max_batch * pages_per_seq
-        self.windows = {"sliding_attention": cfg.sliding_window, "full_attention": None}
+        windows = {"sliding_attention": cfg.sliding_window, "full_attention": None}
         self.seqs = {k: PagedSequences(PagePool(n_pages, oc.page_size, f"{k} KV pool"), self.max_batch,
-                                       oc.max_seq_len, self.windows[k]) for k in KINDS}
+                                       oc.max_seq_len, windows[k]) for k in KINDS}
         self.producer = kv_producers(cfg)
         self.layer_kind = list(cfg.layer_types)
         self.kv: dict[int, torch.Tensor] = {}
@@ -45,7 +45,6 @@ class StepContext:
                 lc = cfg.per_layer_config[layer]
                 self.kv[layer] = torch.zeros(n_pages, 2, oc.page_size, lc.num_key_value_heads, lc.head_dim,
                                              device=device, dtype=dtype)
-        self.device = device
         self.active = False
         self.owner = None           # the PagedCache whose rows are in the page tables
         self.meta: dict[str, dict[str, torch.Tensor]] = {}
@@ -79,11 +78,11 @@ class StepContext:
         self.token_index = self._to_device(dict(t=token_index))["t"]
         self.new_lens = self._to_device(dict(n=new))["n"]
 
-    def _to_device(self, arrays: dict) -> dict:
-        out = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
-        if self.device.type != "cpu":
-            out = {k: t.pin_memory().to(self.device, non_blocking=True) for k, t in out.items()}
-        return out
+    @staticmethod
+    def _to_device(arrays: dict) -> dict:
+        # CPU only for now (config refuses paged on CUDA); the GPU path will stage every array in
+        # one pinned buffer and move it with one async copy.
+        return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
 
     def release(self, cache) -> None:
         if cache.rows is not None:
