@@ -117,6 +117,10 @@ def main(argv=None):
         if system == "gemma4opt":
             gemma4opt.report(sys_model)
             del sys_model
+    for b, res in results.items():     # systems measured before eager were not compared above
+        if "eager" in res:
+            same = {s: torch.equal(r["out"], res["eager"]["out"]) for s, r in res.items() if s != "eager"}
+            print(f"# batch {b}: greedy tokens equal HF eager: {same}")
     return rows
 
 
