@@ -39,8 +39,12 @@ def _gen(model, ids, new, **kw):
 
 
 def measure(model, ids, new, device, repeats, **kw):
-    """(ttft_ms, ms per decode step, output ids); best of ``repeats`` after a warm-up."""
+    """(ttft_ms, ms per decode step, output ids, warm-up s); best of ``repeats`` after a warm-up."""
+    _sync(device)
+    t_warm = time.perf_counter()
     _gen(model, ids, new, **kw)           # warm-up: compiles, captures graphs
+    _sync(device)
+    t_warm = time.perf_counter() - t_warm
     ttft, total, out = [], [], None
     for _ in range(repeats):
         _sync(device)
@@ -54,7 +58,12 @@ def measure(model, ids, new, device, repeats, **kw):
         ttft.append((t1 - t0) * 1e3)
         total.append((t2 - t1) * 1e3)
     t_first, t_all = min(ttft), min(total)
-    return t_first, (t_all - t_first) / max(new - 1, 1), out
+    return t_first, (t_all - t_first) / max(new - 1, 1), out, t_warm
+
+
+# gemma4opt variants: the default, and decode graphs lowered by Inductor or replayed as captured.
+GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-inductor": dict(inductor=True),
+                     "gemma4opt-captured": dict(inductor=False)}
 
 
 def main(argv=None):
@@ -67,7 +76,8 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, choices=sorted(DTYPES))
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--systems", nargs="+", default=["eager", "static_compile", "gemma4opt"])
+    ap.add_argument("--systems", nargs="+", default=["eager", "static_compile", "gemma4opt"],
+                    choices=["eager", "static_compile", *GEMMA4OPT_SYSTEMS])
     ap.add_argument("--json", default=None, help="append result rows to this JSON-lines file")
     args = ap.parse_args(argv)
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")]
@@ -83,8 +93,8 @@ def main(argv=None):
     prompts = {b: torch.randint(3, cfg.vocab_size, (b, args.prompt), generator=g).to(args.device) for b in args.batch}
     roof = {b: (weight_bytes_per_step(model, b) + kv_bytes_per_step(model, b, args.prompt + args.new // 2)) / bw * 1e3
             for b in args.batch}
-    print(f"{'batch':>5} {'system':>15} {'TTFT ms':>9} {'ms/step':>9} {'tok/s':>9} {'roofline':>9} "
-          f"{'vs eager':>9} {'vs static':>9} tokens==eager", flush=True)
+    print(f"{'batch':>5} {'system':>18} {'warm-up s':>9} {'TTFT ms':>9} {'ms/step':>9} {'tok/s':>9} "
+          f"{'roofline':>9} {'vs eager':>9} {'vs static':>9} tokens==eager", flush=True)
     rows, results = [], {b: {} for b in args.batch}
     for i, system in enumerate(args.systems):
         kw, sys_model = {}, model
@@ -94,27 +104,27 @@ def main(argv=None):
             cc = CompileConfig(fullgraph=True, mode="reduce-overhead")
             cc._compile_all_devices = True      # HF auto-compiles on CUDA only; benchmark CPU runs too
             kw = dict(cache_implementation="static", compile_config=cc)
-        if system == "gemma4opt":
+        if system in GEMMA4OPT_SYSTEMS:
             # optimize() changes the instance: when other systems still follow, optimize a copy.
             sys_model = model if i == len(args.systems) - 1 else copy.deepcopy(model)
-            gemma4opt.optimize(sys_model)
+            gemma4opt.optimize(sys_model, gemma4opt.Gemma4OptConfig(**GEMMA4OPT_SYSTEMS[system]))
         for b in args.batch:
-            ttft, ms, out = measure(sys_model, prompts[b], args.new, args.device, args.repeats, **kw)
+            ttft, ms, out, warm = measure(sys_model, prompts[b], args.new, args.device, args.repeats, **kw)
             res = results[b]
             res[system] = dict(ms_per_step=ms, out=out)
             same = torch.equal(out, res["eager"]["out"]) if "eager" in res else None
             row = dict(preset=args.preset, layers=cfg.num_hidden_layers, batch=b, prompt=args.prompt, new=args.new,
-                       system=system, ttft_ms=ttft, ms_per_step=ms, tok_s=b * 1e3 / ms, roofline_ms=roof[b],
+                       system=system, warmup_s=warm, ttft_ms=ttft, ms_per_step=ms, tok_s=b * 1e3 / ms, roofline_ms=roof[b],
                        roofline_frac=roof[b] / ms, tokens_equal_eager=same)
             vs_e = res["eager"]["ms_per_step"] / ms if "eager" in res else float("nan")
             vs_s = res["static_compile"]["ms_per_step"] / ms if "static_compile" in res else float("nan")
-            print(f"{b:>5} {system:>15} {ttft:>9.1f} {ms:>9.2f} {row['tok_s']:>9.1f} {row['roofline_frac']:>8.0%} "
+            print(f"{b:>5} {system:>18} {warm:>9.1f} {ttft:>9.1f} {ms:>9.2f} {row['tok_s']:>9.1f} {row['roofline_frac']:>8.0%} "
                   f"{vs_e:>8.2f}x {vs_s:>8.2f}x {same}   (roofline {roof[b]:.2f} ms)", flush=True)
             rows.append(row)
             if args.json:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(row) + "\n")
-        if system == "gemma4opt":
+        if system in GEMMA4OPT_SYSTEMS:
             gemma4opt.report(sys_model)
             del sys_model
     for b, res in results.items():     # systems measured before eager were not compared above

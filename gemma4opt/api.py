@@ -139,7 +139,7 @@ def optimize(model, config: Gemma4OptConfig | None = None):
     state.compiled_forward = torch.compile(_own_code_entry(target.forward),
                                            backend=make_backend(state, lower_prefill), fullgraph=True)
     if cfg.cuda_graphs:
-        state.decode_forward = torch.compile(_own_code_entry(target.forward), backend=make_backend(state, True, True),
+        state.decode_forward = torch.compile(_own_code_entry(target.forward), backend=make_backend(state, cfg.inductor, True),
                                              fullgraph=True)
     target.forward = _make_forward(target, state)
 

@@ -11,13 +11,20 @@ def make_backend(state, lower: bool, cuda_graphs: bool = False):
     """A Dynamo backend bound to one optimized model's state (see gemma4opt.api).
 
     lower: hand the rewritten graph to Inductor; otherwise run it as captured (gemma4opt ops +
-    aten calls). cuda_graphs: Inductor replays it as CUDA graphs (decode on a static cache).
+    aten calls). cuda_graphs: replay it as CUDA graphs (decode on a static cache), lowered by
+    Inductor or as captured.
     """
 
     def gemma4opt_backend(gm: fx.GraphModule, example_inputs):
         index = state.graphs_compiled
         state.graphs_compiled += 1
         state.pass_manager.run(gm, index)
+        if cuda_graphs and not lower:
+            # The rewritten graph as captured, recorded as CUDA graphs (cudagraph trees via AOT),
+            # without Inductor's codegen: the fused ops already cover the memory-bound work.
+            from torch._dynamo.backends.cudagraphs import cudagraphs
+
+            return cudagraphs(gm, example_inputs)
         if not lower:
             return gm.forward
         from torch._inductor.compile_fx import compile_fx

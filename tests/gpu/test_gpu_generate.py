@@ -14,12 +14,13 @@ def _gen(model, ids, new):
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
 
 
+@pytest.mark.parametrize("inductor", [True, False], ids=["inductor", "captured"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_tiny_variants_fp32_tokens_equal_eager(variant):
+def test_tiny_variants_fp32_tokens_equal_eager(variant, inductor):
     model = build_model(variant, device="cuda")
     ids = prompt(2, WINDOW + 5).cuda()
     want = _gen(model, ids, 16)
-    gemma4opt.optimize(model)
+    gemma4opt.optimize(model, gemma4opt.Gemma4OptConfig(inductor=inductor))
     assert torch.equal(_gen(model, ids, 16), want)
     rep = gemma4opt.report(model, print_table=False)
     assert all(r.complete for r in rep.rows), str(rep)
