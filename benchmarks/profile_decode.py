@@ -1,0 +1,50 @@
+"""Where a gemma4opt decode step spends its time: torch.profiler over one generate, top kernels.
+
+    python benchmarks/profile_decode.py --preset 31b --layers 12 --inductor 0
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import gemma4opt
+from gemma4opt.presets import ALL_PRESETS, build_model
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny", choices=sorted(ALL_PRESETS))
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--inductor", type=int, default=None, choices=[0, 1])
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args(argv)
+    model = build_model(args.preset, args.layers, dtype=torch.bfloat16, device="cuda")
+    cfg = gemma4opt.Gemma4OptConfig(inductor=None if args.inductor is None else bool(args.inductor))
+    gemma4opt.optimize(model, cfg)
+    ids = torch.randint(3, 1000, (args.batch, args.prompt), device="cuda")
+
+    def gen():
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
+                                  min_new_tokens=args.new, do_sample=False)
+
+    t = time.perf_counter()
+    gen()
+    torch.cuda.synchronize()
+    print(f"warm-up (compile) {time.perf_counter() - t:.1f} s", flush=True)
+    gen()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        gen()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()
