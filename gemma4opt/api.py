@@ -52,6 +52,7 @@ class OptimizationState:
     decode_forward: object = None       # decode on an initialized static cache, as CUDA graphs
     context: object = None              # runtime.StepContext when attention="paged"
     graphed_calls: int = 0
+    graph_pool: object = None           # CUDA graph memory pool shared by this model's decode graphs
 
 
 def _check_model(model) -> torch.nn.Module:
@@ -139,7 +140,7 @@ def optimize(model, config: Gemma4OptConfig | None = None):
     state.compiled_forward = torch.compile(_own_code_entry(target.forward),
                                            backend=make_backend(state, lower_prefill), fullgraph=True)
     if cfg.cuda_graphs:
-        state.decode_forward = torch.compile(_own_code_entry(target.forward), backend=make_backend(state, cfg.inductor, True),
+        state.decode_forward = torch.compile(_own_code_entry(target.forward), backend=make_backend(state, cfg.inductor, True, target),
                                              fullgraph=True)
     target.forward = _make_forward(target, state)
 
@@ -183,7 +184,8 @@ def _make_forward(target, state: OptimizationState):
             return original(*args, **kwargs)
         state.compiled_calls += 1
         if state.decode_forward is not None and _static_cache_ready(kwargs):
-            state.graphed_calls += 1
+            if state.config.inductor:
+                state.graphed_calls += 1      # cudagraph trees; runtime.decode_graphs counts its own replays
             torch.compiler.cudagraph_mark_step_begin()   # last step's outputs were consumed by generate
             return state.decode_forward(*args, **kwargs)
         return state.compiled_forward(*args, **kwargs)

@@ -15,11 +15,11 @@ class Gemma4OptConfig:
 
     patterns: names of the fusions to apply, in the order of ``gemma4opt.patterns.PATTERN_NAMES``;
         ``None`` means all of them. An empty tuple captures the graph but rewrites nothing.
-    inductor: lower the rewritten graph with Inductor. ``None`` = on CUDA only (on CPU the graph
-        runs as captured, calling the reference ops, so CPU results equal HF's bit for bit).
-        With cuda_graphs, only decode graphs are lowered; prefill runs the rewritten graph as is.
-        With cuda_graphs and ``inductor=False``, decode replays the rewritten graph as captured
-        (fused ops + cuBLAS + aten) as CUDA graphs: seconds to compile instead of minutes.
+    inductor: lower the rewritten graph with Inductor. ``None`` = off: the graph runs as captured,
+        calling the fused ops (Triton on CUDA, references on CPU, so CPU results equal HF's bit for
+        bit), and CUDA decode steps replay it as gemma4opt's own CUDA graphs (runtime.decode_graphs):
+        seconds to compile. ``True``: Inductor lowers the rest (with cuda_graphs, decode only, as
+        cudagraph trees); measured on an H200, a 12-layer 31b took over 6 minutes to compile.
     cuda_graphs: replay decode steps as CUDA graphs (cudagraph trees over the static cache).
         ``None`` = on when on CUDA with a static cache.
     cache: KV cache ``generate`` uses when the caller passes none. "auto" = "static" on CUDA
@@ -66,7 +66,7 @@ class Gemma4OptConfig:
         """Fill the ``None``/"auto" fields for a device."""
         on_cuda = device_type == "cuda"
         cache = self.cache if self.cache != "auto" else ("static" if on_cuda else "dynamic")
-        inductor = on_cuda if self.inductor is None else self.inductor
+        inductor = bool(self.inductor)
         graphs = (on_cuda and cache == "static") if self.cuda_graphs is None else self.cuda_graphs
         if self.attention == "paged" and on_cuda:
             raise ValueError("Gemma4OptConfig.attention='paged' is CPU-only for now (its FlashInfer path is not "

@@ -7,12 +7,13 @@ import torch.fx as fx
 from gemma4opt.compiler.pass_manager import PassManager
 
 
-def make_backend(state, lower: bool, cuda_graphs: bool = False):
+def make_backend(state, lower: bool, cuda_graphs: bool = False, root: torch.nn.Module | None = None):
     """A Dynamo backend bound to one optimized model's state (see gemma4opt.api).
 
     lower: hand the rewritten graph to Inductor; otherwise run it as captured (gemma4opt ops +
     aten calls). cuda_graphs: replay it as CUDA graphs (decode on a static cache), lowered by
-    Inductor or as captured.
+    Inductor (cudagraph trees) or as captured (gemma4opt.runtime.decode_graphs, needs ``root``:
+    its parameters and buffers are the graph's fixed-address inputs).
     """
 
     def gemma4opt_backend(gm: fx.GraphModule, example_inputs):
@@ -20,11 +21,12 @@ def make_backend(state, lower: bool, cuda_graphs: bool = False):
         state.graphs_compiled += 1
         state.pass_manager.run(gm, index)
         if cuda_graphs and not lower:
-            # The rewritten graph as captured, recorded as CUDA graphs (cudagraph trees via AOT),
-            # without Inductor's codegen: the fused ops already cover the memory-bound work.
-            from torch._dynamo.backends.cudagraphs import cudagraphs
+            # The rewritten graph as captured, replayed as CUDA graphs without Inductor's codegen:
+            # the fused ops already cover the memory-bound work.
+            from gemma4opt.runtime.decode_graphs import graphed_decode_backend
 
-            return cudagraphs(gm, example_inputs)
+            fixed = {t.data_ptr() for t in (*root.parameters(), *root.buffers())}
+            return graphed_decode_backend(state, fixed)(gm, example_inputs)
         if not lower:
             return gm.forward
         from torch._inductor.compile_fx import compile_fx
