@@ -42,6 +42,9 @@ def main(argv=None):
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         gen()
         torch.cuda.synchronize()
+    st = model._gemma4opt
+    print(f"decode graphs: warm-ups {st.graph_warmups}, captures {st.graph_captures}, replays {st.graphed_calls}, "
+          f"graphs compiled {st.graphs_compiled}, compiled calls {st.compiled_calls}")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=70))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
 

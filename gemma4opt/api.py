@@ -52,6 +52,8 @@ class OptimizationState:
     decode_forward: object = None       # decode on an initialized static cache, as CUDA graphs
     context: object = None              # runtime.StepContext when attention="paged"
     graphed_calls: int = 0
+    graph_warmups: int = 0              # decode calls run eagerly before a capture (runtime.decode_graphs)
+    graph_captures: int = 0
     graph_pool: object = None           # CUDA graph memory pool shared by this model's decode graphs
 
 

@@ -58,8 +58,10 @@ class GraphedDecode:
             n = self.seen.get(key, 0)
             self.seen[key] = n + 1
             if n < WARMUP_CALLS:
+                self.state.graph_warmups += 1
                 return self._warmup(args)
             cap = self._capture(args)
+            self.state.graph_captures += 1
             if len(self.graphs) >= MAX_GRAPHS:
                 self.graphs.pop(next(iter(self.graphs)))
             self.graphs[key] = cap

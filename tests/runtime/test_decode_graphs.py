@@ -54,7 +54,7 @@ def test_warmup_capture_replay_and_recapture(monkeypatch):
             return (kv.sum(0),)
 
     gm = GM()
-    state = types.SimpleNamespace(graphed_calls=0)
+    state = types.SimpleNamespace(graphed_calls=0, graph_warmups=0, graph_captures=0)
     _patch(monkeypatch)
     runner = decode_graphs.GraphedDecode(gm, [weight, cache, torch.zeros(4), torch.tensor(0)], state,
                                          fixed_ptrs={cache.data_ptr()})
