@@ -48,7 +48,9 @@ class GraphedDecode:
 
     def _key(self, args) -> tuple:
         return (tuple(args[i].data_ptr() for i in self.fixed),
-                tuple((args[i].shape, args[i].stride(), args[i].dtype) for i in self.moving),
+                # Not strides: generate slices its growing id/mask buffers, so strides change every
+                # step; copy_ into the captured buffers handles any layout.
+                tuple((args[i].shape, args[i].dtype) for i in self.moving),
                 tuple(args[i] for i in self.others))
 
     def __call__(self, *args):

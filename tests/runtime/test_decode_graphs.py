@@ -73,7 +73,9 @@ def test_warmup_capture_replay_and_recapture(monkeypatch):
     assert _FakeGraph.captures == 0 and state.graphed_calls == 0
     out = runner(weight, cache, xs[1], torch.tensor(1))    # capture + first replay
     assert _FakeGraph.captures == 1 and state.graphed_calls == 1
-    out = runner(weight, cache, xs[2], torch.tensor(2))    # replay with new per-step inputs copied in
+    strided = torch.zeros(4, 2)
+    strided[:, 0] = xs[2]                                    # same shape, another stride: still a replay
+    out = runner(weight, cache, strided[:, 0], torch.tensor(2))
     assert _FakeGraph.captures == 1 and state.graphed_calls == 2
     want = torch.stack([x @ weight for x in xs])
     torch.testing.assert_close(cache, want)
