@@ -17,6 +17,7 @@ from gemma4opt.compiler.pattern import PassContext
 from gemma4opt.config import Gemma4OptConfig
 from gemma4opt.patterns import build_patterns
 from gemma4opt.runtime.paged_generate import begin_paged_step, install_paged
+from gemma4opt.runtime.static_cache import install_static_cache_reuse
 
 SUPPORTED_CLASSES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -54,6 +55,7 @@ class OptimizationState:
     graphed_calls: int = 0
     graph_warmups: int = 0              # decode calls run eagerly before a capture (runtime.decode_graphs)
     graph_captures: int = 0
+    static_cache: object = None         # (key, cache) reused by generate (runtime/static_cache.py)
     graph_pool: object = None           # CUDA graph memory pool shared by this model's decode graphs
 
 
@@ -154,6 +156,8 @@ def optimize(model, config: Gemma4OptConfig | None = None):
         gen.disable_compile = True      # our forward is already compiled; HF must not wrap it again
         if cfg.cache == "static" and gen.cache_implementation is None:
             gen.cache_implementation = "static"
+    if cfg.cuda_graphs:
+        install_static_cache_reuse(model, state)
     return model
 
 
@@ -185,7 +189,7 @@ def _make_forward(target, state: OptimizationState):
             state.fallbacks[reason] += 1
             return original(*args, **kwargs)
         state.compiled_calls += 1
-        if state.decode_forward is not None and _static_cache_ready(kwargs):
+        if state.decode_forward is not None and _one_token_step(args, kwargs) and _static_cache_ready(kwargs):
             if state.config.inductor:
                 state.graphed_calls += 1      # cudagraph trees; runtime.decode_graphs counts its own replays
             torch.compiler.cudagraph_mark_step_begin()   # last step's outputs were consumed by generate
@@ -193,6 +197,14 @@ def _make_forward(target, state: OptimizationState):
         return state.compiled_forward(*args, **kwargs)
 
     return forward
+
+
+def _one_token_step(args, kwargs) -> bool:
+    """A decode step: one new token per sequence (prefill, chunks and drafts take the other path)."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    return ids is not None and ids.dim() >= 2 and ids.shape[1] == 1
 
 
 def _cache_of(kwargs):

@@ -30,7 +30,9 @@ class Report:
     graphed_calls: int
     fallbacks: dict[str, int]
     rows: list[PatternRow] = field(default_factory=list)
-    attention: str = "hf"       # "hf", or a summary of the paged KV pool
+    attention: str = "hf"
+    graph_captures: int = 0     # decode CUDA graphs captured by gemma4opt's runner, and the eager
+    graph_warmups: int = 0      # steps that preceded them (a new graph or a new cache)       # "hf", or a summary of the paged KV pool
 
     def row(self, pattern: str) -> PatternRow:
         return next(r for r in self.rows if r.pattern == pattern)
@@ -40,7 +42,8 @@ class Report:
         if self.disabled_reason:
             lines.append(f"  NOT OPTIMIZED: {self.disabled_reason} -> every call runs HF's unfused path")
         lines.append(f"  graphs compiled: {self.graphs_compiled}   compiled calls: {self.compiled_calls} "
-                     f"(as CUDA graph replays: {self.graphed_calls})")
+                     f"(as CUDA graph replays: {self.graphed_calls}; captures {self.graph_captures}, "
+                     f"warm-up steps {self.graph_warmups})")
         lines.append(f"  attention: {self.attention}")
         if self.fallbacks:
             lines.append("  calls on HF's path: " + ", ".join(f"{k}: {v}" for k, v in self.fallbacks.items()))
@@ -75,7 +78,8 @@ def build_report(model) -> Report:
                      f"held; last graph: {calls}/{state.text_config.num_hidden_layers} layers call "
                      f"gemma4opt.paged_attention)")
     return Report(state.model_class, state.scope, state.disabled_reason, state.graphs_compiled,
-                  state.compiled_calls, state.graphed_calls, dict(state.fallbacks), rows, attention)
+                  state.compiled_calls, state.graphed_calls, dict(state.fallbacks), rows, attention,
+                  state.graph_captures, state.graph_warmups)
 
 
 def report(model, print_table: bool = True) -> Report:

@@ -16,7 +16,9 @@ Inductor avoids both but compiles a real-size Gemma-4 for many minutes.
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
+_cuda = torch.cuda      # one name for the CUDA calls below (the CPU tests stand them in)
 WARMUP_CALLS = 1
 MAX_GRAPHS = 16     # captures kept per graph (cache objects x shapes); the oldest is dropped past it
 
@@ -26,6 +28,57 @@ def _is_fixed(x, fixed_ptrs: set[int]) -> bool:
         return False
     return (isinstance(x, torch.nn.Parameter) or hasattr(x, "_dynamo_static_input_type")
             or x.data_ptr() in fixed_ptrs)
+
+
+def _is_tensor_node(n) -> bool:
+    return isinstance(n, fx.Node) and isinstance(n.meta.get("example_value"), torch.Tensor)
+
+
+def _host_slice(gm) -> tuple[fx.GraphModule | None, list[int], set[int]]:
+    """The non-tensor outputs and the placeholders only they depend on.
+
+    HF's static cache counts tokens in a Python int (``cumulative_length_int``): Dynamo passes it
+    in and returns it + new tokens, and writes that back to the attribute after the call. A CUDA
+    graph would replay the value of capture time, so that arithmetic runs on the host every call
+    (a few Python adds), and such ints do not force a new capture. Returns (host graph or None,
+    positions of host outputs, indices of placeholders used by host outputs only).
+    """
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    outs = next(n for n in nodes if n.op == "output").args[0]
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    host_pos = [i for i, o in enumerate(outs) if isinstance(o, fx.Node) and not _is_tensor_node(o)]
+    needed, stack = set(), [outs[i] for i in host_pos]
+    while stack:
+        n = stack.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        if n.op != "placeholder" and _is_tensor_node(n):
+            raise ValueError(f"non-tensor output depends on tensor op {n.format_node()}")
+        stack.extend(a for a in n.all_input_nodes)
+    host_only = set()
+    for i, p in enumerate(placeholders):
+        if _is_tensor_node(p) or p not in needed:
+            continue
+        users, stack, seen = [], list(p.users), set()
+        while stack:
+            u = stack.pop()
+            if u in seen or u.op == "output":
+                continue
+            seen.add(u)
+            users.append(u)
+            stack.extend(u.users)
+        if all(u in needed for u in users):
+            host_only.add(i)
+    if not host_pos:
+        return None, [], host_only
+    g, env = fx.Graph(), {}
+    for n in nodes:
+        if n in needed or n.op == "placeholder":
+            env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(tuple(env[outs[i]] for i in host_pos))
+    return fx.GraphModule(torch.nn.Module(), g), host_pos, host_only
 
 
 class _Captured:
@@ -41,7 +94,11 @@ class GraphedDecode:
         self.fixed = [i for i, x in enumerate(example_inputs) if _is_fixed(x, fixed_ptrs)]
         fixed = set(self.fixed)
         self.moving = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and i not in fixed]
-        self.others = [i for i, x in enumerate(example_inputs) if not isinstance(x, torch.Tensor)]
+        self.host, self.host_pos, host_only = _host_slice(gm)
+        # Non-tensor inputs the captured kernels read (shapes, sizes) key the capture; those only
+        # host arithmetic reads do not.
+        self.others = [i for i, x in enumerate(example_inputs) if not isinstance(x, torch.Tensor)
+                       and i not in host_only]
         self.pool = pool
         self.graphs: dict[tuple, _Captured] = {}
         self.seen: dict[tuple, int] = {}
@@ -58,6 +115,8 @@ class GraphedDecode:
         cap = self.graphs.get(key)
         if cap is None:
             n = self.seen.get(key, 0)
+            if len(self.seen) > 4 * MAX_GRAPHS:
+                self.seen.clear()         # keys seen once and never again (old caches)
             self.seen[key] = n + 1
             if n < WARMUP_CALLS:
                 self.state.graph_warmups += 1
@@ -71,30 +130,37 @@ class GraphedDecode:
             cap.inputs[i].copy_(args[i], non_blocking=True)
         cap.graph.replay()
         self.state.graphed_calls += 1
-        return cap.outputs
+        if self.host is None:
+            return cap.outputs
+        outputs = list(cap.outputs)
+        for pos, value in zip(self.host_pos, self.host(*args)):
+            outputs[pos] = value
+        return tuple(outputs)
 
     def _warmup(self, args):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        side = _cuda.Stream()
+        side.wait_stream(_cuda.current_stream())
+        with _cuda.stream(side):
             out = self.gm(*args)
-        torch.cuda.current_stream().wait_stream(side)
+        _cuda.current_stream().wait_stream(side)
         return out
 
     def _capture(self, args) -> _Captured:
         inputs = list(args)
         for i in self.moving:
             inputs[i] = args[i].clone()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        graph = _cuda.CUDAGraph()
+        with _cuda.graph(graph, pool=self.pool):
             outputs = self.gm(*inputs)
-        return _Captured(graph, inputs, outputs)
+        # Keep only the per-step buffers: holding the fixed inputs would keep every old cache
+        # alive. A capture is replayed only when the fixed inputs sit at the same addresses again.
+        return _Captured(graph, {i: inputs[i] for i in self.moving}, outputs)
 
 
 def graphed_decode_backend(state, fixed_ptrs: set[int]):
     """A Dynamo-backend tail: wrap a rewritten decode graph in GraphedDecode (one pool per model)."""
     if getattr(state, "graph_pool", None) is None:
-        state.graph_pool = torch.cuda.graph_pool_handle()
+        state.graph_pool = _cuda.graph_pool_handle()
 
     def compile_graph(gm, example_inputs):
         return GraphedDecode(gm, example_inputs, state, fixed_ptrs, state.graph_pool)

@@ -4,9 +4,12 @@ capture runs in tests/gpu."""
 import contextlib
 import types
 
+import pytest
 import torch
 
+from gemma4opt.presets import build_model
 from gemma4opt.runtime import decode_graphs
+from tests.models import VARIANTS, WINDOW, prompt
 
 
 class _FakeGraph:
@@ -38,51 +41,145 @@ def _patch(monkeypatch):
         CUDAGraph=_FakeGraph, graph=_FakeCapture, Stream=lambda: types.SimpleNamespace(wait_stream=lambda s: None),
         current_stream=lambda: types.SimpleNamespace(wait_stream=lambda s: None),
         stream=lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(decode_graphs.torch, "cuda", fake_cuda, raising=False)
+    monkeypatch.setattr(decode_graphs, "_cuda", fake_cuda)
+
+
+def _step(w, kv, x, pos, n: int):
+    kv.index_copy_(0, pos.reshape(1), (x @ w)[None])   # the in-place cache write of a decode step
+    return kv.sum(0), n + 1   # n: a host-side token count (HF's cumulative_length_int)
+
+
+def _traced(example):
+    """An FX graph of _step with Dynamo-style ``example_value`` metadata on every node."""
+    gm = torch.fx.symbolic_trace(_step)
+
+    class Annotate(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            n.meta["example_value"] = out
+            return out
+
+    Annotate(gm).run(*[x.clone() if isinstance(x, torch.Tensor) else x for x in example])
+    return gm
 
 
 def test_warmup_capture_replay_and_recapture(monkeypatch):
     _FakeGraph.captures = 0
     weight = torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
     cache = torch.zeros(3, 4)
-    calls = []
-
-    class GM:
-        def __call__(self, w, kv, x, pos):
-            calls.append(x.clone())
-            kv[pos] = x @ w          # the in-place cache write a decode step does
-            return (kv.sum(0),)
-
-    gm = GM()
+    gm = _traced([weight, cache, torch.zeros(4), torch.tensor(0), 0])
     state = types.SimpleNamespace(graphed_calls=0, graph_warmups=0, graph_captures=0)
     _patch(monkeypatch)
-    runner = decode_graphs.GraphedDecode(gm, [weight, cache, torch.zeros(4), torch.tensor(0)], state,
+    runner = decode_graphs.GraphedDecode(gm, [weight, cache, torch.zeros(4), torch.tensor(0), 0], state,
                                          fixed_ptrs={cache.data_ptr()})
     assert runner.fixed == [0, 1] and runner.moving == [2, 3]
+    assert runner.others == [], "an int only host arithmetic reads must not key the capture"
 
     orig_capture = runner._capture
 
     def capture(args):   # the fake graph replays by calling gm on the captured inputs
         cap = orig_capture(args)
-        cap.graph.fn = lambda: cap.outputs[0].copy_(gm(*cap.inputs)[0])
+        cap.graph.fn = lambda: cap.outputs[0].copy_(gm(*[cap.inputs.get(i, a) for i, a in enumerate(args)])[0])
         return cap
 
     runner._capture = capture
     xs = [torch.randn(4) for _ in range(3)]
-    runner(weight, cache, xs[0], torch.tensor(0))          # warm-up: eager
+    runner(weight, cache, xs[0], torch.tensor(0), 10)         # warm-up: eager
     assert _FakeGraph.captures == 0 and state.graphed_calls == 0
-    out = runner(weight, cache, xs[1], torch.tensor(1))    # capture + first replay
-    assert _FakeGraph.captures == 1 and state.graphed_calls == 1
+    out = runner(weight, cache, xs[1], torch.tensor(1), 11)   # capture + first replay
+    assert _FakeGraph.captures == 1 and state.graphed_calls == 1 and out[1] == 12
     strided = torch.zeros(4, 2)
-    strided[:, 0] = xs[2]                                    # same shape, another stride: still a replay
-    out = runner(weight, cache, strided[:, 0], torch.tensor(2))
+    strided[:, 0] = xs[2]                                     # same shape, another stride: still a replay
+    out = runner(weight, cache, strided[:, 0], torch.tensor(2), 12)
     assert _FakeGraph.captures == 1 and state.graphed_calls == 2
+    assert out[1] == 13, "host outputs are computed per call, not replayed from capture time"
     want = torch.stack([x @ weight for x in xs])
     torch.testing.assert_close(cache, want)
     torch.testing.assert_close(out[0], want.sum(0))
 
-    other = torch.zeros(3, 4)                                # a new cache object: warm-up, then capture anew
-    runner(weight, other, xs[0], torch.tensor(0))
-    runner(weight, other, xs[1], torch.tensor(1))
+    other = torch.zeros(3, 4)                                 # a new cache object: warm-up, then capture anew
+    runner(weight, other, xs[0], torch.tensor(0), 0)
+    runner(weight, other, xs[1], torch.tensor(1), 1)
     assert _FakeGraph.captures == 2
     torch.testing.assert_close(other[:2], want[:2])
+
+
+def test_int_read_by_kernels_keys_the_capture():
+    def f(x, n: int):
+        return (x[:n] * 2,)
+
+    gm = torch.fx.symbolic_trace(f)
+    for node, v in zip(gm.graph.nodes, [torch.zeros(4), 2]):
+        node.meta["example_value"] = v
+    for node in gm.graph.nodes:
+        if node.op == "call_function" or node.op == "call_method":
+            node.meta["example_value"] = torch.zeros(2)
+    state = types.SimpleNamespace(graphed_calls=0, graph_warmups=0, graph_captures=0)
+    runner = decode_graphs.GraphedDecode(gm, [torch.zeros(4), 2], state, fixed_ptrs=set())
+    assert runner.others == [1]
+
+
+class _RecordingCapture:
+    """torch.cuda.graph stand-in: nothing runs at capture (as on a GPU); replay runs the graph."""
+
+    def __init__(self, graph, pool=None):
+        self.graph = graph
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _cpu_capture(self, args):
+    inputs = list(args)
+    for i in self.moving:
+        inputs[i] = args[i].clone()
+    outputs = []
+    graph = _FakeGraph()
+
+    def replay():
+        got = self.gm(*inputs)
+        if not outputs:
+            outputs.extend(got)          # the captured outputs: the same tensors every replay
+        else:
+            for o, g in zip(outputs, got):
+                if isinstance(o, torch.Tensor):
+                    o.copy_(g)
+
+    graph.fn = replay
+    return decode_graphs._Captured(graph, inputs, outputs)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_generate_through_graphed_decode_on_cpu(monkeypatch, variant):
+    """HF generate on a static cache with decode steps going through GraphedDecode (CUDA graphs
+    stood in by replaying the graph on the captured inputs): every decode step after the first
+    two replays, and the tokens equal HF eager's."""
+    import dataclasses
+
+    import gemma4opt
+    from gemma4opt.config import Gemma4OptConfig
+
+    model = build_model(variant)
+    ids = prompt(2, WINDOW + 3)
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                              cache_implementation="static")
+    _patch(monkeypatch)
+    monkeypatch.setattr(decode_graphs._cuda, "graph", _RecordingCapture)
+    monkeypatch.setattr(decode_graphs._cuda, "graph_pool_handle", lambda: None, raising=False)
+    monkeypatch.setattr(decode_graphs.GraphedDecode, "_capture", _cpu_capture)
+    monkeypatch.setattr(Gemma4OptConfig, "resolve",
+                        lambda self, device: dataclasses.replace(self, cache="static", inductor=False, cuda_graphs=True))
+    gemma4opt.optimize(model)
+    with torch.no_grad():
+        for _ in range(2):          # a second generate reuses the cache object and its capture
+            got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+            assert torch.equal(got, want)
+    st = model._gemma4opt
+    # Dynamo compiles decode twice (first with the token count as a constant, then as a symbol):
+    # one warm-up for each, one capture for the second; the second generate reuses cache and capture.
+    assert (st.graph_warmups, st.graph_captures) == (2, 1), (st.graph_warmups, st.graph_captures, st.graphed_calls, st.graphs_compiled)
+    assert st.graphed_calls == 2 * 11 - 2      # every decode call but the two warm-ups replays
