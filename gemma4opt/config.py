@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from gemma4opt.patterns import PATTERN_NAMES
 
@@ -65,12 +66,28 @@ class Gemma4OptConfig:
     def resolve(self, device_type: str) -> "Gemma4OptConfig":
         """Fill the ``None``/"auto" fields for a device."""
         on_cuda = device_type == "cuda"
-        cache = self.cache if self.cache != "auto" else ("static" if on_cuda else "dynamic")
+        paged = self.attention == "paged"
+        if paged and self.cache == "static":
+            raise ValueError("Gemma4OptConfig: cache='static' and attention='paged' exclude each other (the paged "
+                             "cache is the KV cache); use cache='auto' with attention='paged'")
+        # The paged cache brings its own KV storage; decode graphs over it are not built yet (they
+        # replay over HF's static cache), so paged steps run compiled but not graphed.
+        cache = self.cache if self.cache != "auto" else ("static" if on_cuda and not paged else "dynamic")
         inductor = bool(self.inductor)
         graphs = (on_cuda and cache == "static") if self.cuda_graphs is None else self.cuda_graphs
+        if graphs and paged:
+            raise ValueError("Gemma4OptConfig: cuda_graphs=True with attention='paged' is not supported yet; decode "
+                             "CUDA graphs replay over HF's static cache (attention='hf')")
         if self.attention == "paged" and on_cuda:
-            raise ValueError("Gemma4OptConfig.attention='paged' is CPU-only for now (its FlashInfer path is not "
-                             "verified on a GPU yet); use attention='hf' on CUDA")
+            if os.environ.get("GEMMA4OPT_PAGED_CUDA") != "1":
+                raise ValueError("Gemma4OptConfig.attention='paged' is CPU-only for now: its FlashInfer path "
+                                 "(attention/flashinfer.py) has not passed tests/gpu on a GPU yet; use "
+                                 "attention='hf' on CUDA, or set GEMMA4OPT_PAGED_CUDA=1 to try it")
+            from gemma4opt.attention.flashinfer import available
+
+            reason = available()
+            if reason is not None:
+                raise ValueError(f"Gemma4OptConfig.attention='paged' on CUDA needs FlashInfer: {reason}")
         if graphs and not on_cuda:
             raise ValueError("Gemma4OptConfig.cuda_graphs=True needs a CUDA model; this model is on " + device_type)
         return dataclasses.replace(self, cache=cache, inductor=inductor, cuda_graphs=graphs)

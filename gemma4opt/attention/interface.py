@@ -27,8 +27,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout=0
                                       ctx.token_index)
     out = torch.ops.gemma4opt.paged_attention(
         query.transpose(1, 2), kv, meta["kv_indptr"], meta["kv_indices"], meta["kv_last_page_len"],
-        meta["kv_start"], meta["seq_lens"], ctx.new_lens, int(module.sliding_window or -1),
-        float(scaling if scaling is not None else module.scaling))
+        meta["kv_start"], meta["seq_lens"], ctx.new_lens, ctx.token_index, int(module.sliding_window or -1),
+        float(scaling if scaling is not None else module.scaling), ctx.plan_key[module.layer_type])
     return out, None
 
 

@@ -3,12 +3,15 @@
 kv_append(kv, k, v, slot_mapping, token_index): write the step's real tokens (rows
 ``token_index`` of k/v flattened to [B*T, kv_heads, D]; left padding is skipped) into their slots.
 
-paged_attention(q, kv, meta..., window, scale): q is [B, Tq, H, D]; the queries of sequence b are
-its last ``min(Tq, new_lens[b])`` rows (the others are left padding, output zero). Sequence b holds
-``seq_lens[b]`` tokens, whose live pages are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
+paged_attention(q, kv, meta..., token_index, window, scale, plan_key): q is [B, Tq, H, D]; the
+queries of sequence b are its last ``min(Tq, new_lens[b])`` rows (the others are left padding,
+output zero). Tq is the step's token count (then the real rows are ``token_index``), or 1 where
+HF runs a KV-shared layer on the last token only. Sequence b holds ``seq_lens[b]`` tokens, whose
+live pages are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
 
-CPU: the reference (gather + SDPA). CUDA: not yet (FlashInfer is the next step); optimize()
-refuses attention="paged" on CUDA until it is verified on the GPU.
+CPU: the reference (gather + SDPA). CUDA: FlashInfer's paged prefill kernel, planned once per
+step per attention kind on the host (attention/flashinfer.py); ``plan_key`` names that plan.
+Nothing here reads a device value on the host.
 """
 from __future__ import annotations
 
@@ -20,8 +23,8 @@ from gemma4opt.attention.reference import kv_append_reference, paged_attention_r
 @torch.library.custom_op("gemma4opt::kv_append", mutates_args=("kv",))
 def kv_append(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
               token_index: torch.Tensor) -> None:
-    flat_k = k.reshape(-1, k.shape[-2], k.shape[-1])[token_index]
-    flat_v = v.reshape(-1, v.shape[-2], v.shape[-1])[token_index]
+    flat_k = k.reshape(-1, k.shape[-2], k.shape[-1]).index_select(0, token_index)
+    flat_v = v.reshape(-1, v.shape[-2], v.shape[-1]).index_select(0, token_index)
     kv_append_reference(kv, flat_k, flat_v, slot_mapping)
 
 
@@ -33,19 +36,42 @@ def _(kv, k, v, slot_mapping, token_index):
 @torch.library.custom_op("gemma4opt::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                     kv_last_page_len: torch.Tensor, kv_start: torch.Tensor, seq_lens: torch.Tensor,
-                    new_lens: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+                    new_lens: torch.Tensor, token_index: torch.Tensor, window: int, scale: float,
+                    plan_key: int) -> torch.Tensor:
     B, Tq = q.shape[:2]
     n = torch.clamp(new_lens, max=Tq)
     rows = torch.arange(Tq, device=q.device)[None, :] >= (Tq - n)[:, None]       # [B, Tq] real query rows
     qo_indptr = torch.zeros(B + 1, dtype=torch.int32, device=q.device)
     qo_indptr[1:] = torch.cumsum(n, 0)
     out = torch.zeros_like(q)
-    flat = paged_attention_reference(q[rows], kv, kv_indptr, kv_indices, kv_last_page_len, kv_start, qo_indptr,
-                                     seq_lens, window if window > 0 else None, scale)
-    out[rows] = flat
+    out[rows] = paged_attention_reference(q[rows], kv, kv_indptr, kv_indices, kv_last_page_len, kv_start, qo_indptr,
+                                          seq_lens, window if window > 0 else None, scale).to(q.dtype)
     return out
 
 
+@paged_attention.register_kernel("cuda")
+def _(q, kv, kv_indptr, kv_indices, kv_last_page_len, kv_start, seq_lens, new_lens, token_index, window, scale,
+      plan_key):
+    from gemma4opt.attention.flashinfer import run_planned
+
+    B, Tq = q.shape[:2]
+    if Tq == 1:
+        # Decode, or a KV-shared layer at prefill (HF runs those on the last token only): one
+        # query per sequence, always a real token. Shapes alone tell which plan (no device read).
+        flat = run_planned(plan_key, q.reshape(B, *q.shape[2:]).contiguous(), kv, window, scale,
+                           last_only=token_index.shape[0] != B)
+        return flat.reshape(q.shape)
+    if token_index.shape[0] > B * Tq:
+        raise ValueError(f"gemma4opt.paged_attention: {Tq} query rows per sequence but the step has more tokens; "
+                         "queries must be the whole step or its last token (logits_to_keep=1)")
+    flat = run_planned(plan_key, q.reshape(B * Tq, *q.shape[2:]).index_select(0, token_index).contiguous(), kv,
+                       window, scale, last_only=False)
+    out = torch.zeros(B * Tq, *q.shape[2:], dtype=q.dtype, device=q.device)
+    out.index_copy_(0, token_index.long(), flat.to(q.dtype))
+    return out.reshape(q.shape)
+
+
 @paged_attention.register_fake
-def _(q, kv, kv_indptr, kv_indices, kv_last_page_len, kv_start, seq_lens, new_lens, window, scale):
+def _(q, kv, kv_indptr, kv_indices, kv_last_page_len, kv_start, seq_lens, new_lens, token_index, window, scale,
+      plan_key):
     return torch.empty_like(q)

@@ -11,8 +11,11 @@ import numpy as np
 import torch
 
 from gemma4opt.attention.pages import PagedSequences, PagePool
+from gemma4opt.attention.staging import HostStaging
 
 KINDS = ("sliding_attention", "full_attention")
+# Per-kind page metadata the attention ops read on the device.
+DEVICE_FIELDS = ("kv_indptr", "kv_indices", "kv_last_page_len", "kv_start", "seq_lens", "slot_mapping")
 
 
 def kv_producers(cfg) -> dict[int, int]:
@@ -45,6 +48,14 @@ class StepContext:
                 lc = cfg.per_layer_config[layer]
                 self.kv[layer] = torch.zeros(n_pages, 2, oc.page_size, lc.num_key_value_heads, lc.head_dim,
                                              device=device, dtype=dtype)
+        self.staging = HostStaging(device)
+        # CUDA: FlashInfer planned once per step per kind; CPU: the reference reads the metadata.
+        self.plans = {}
+        if torch.device(device).type == "cuda":
+            from gemma4opt.attention.flashinfer import build_plans
+
+            self.plans = build_plans(cfg, oc.page_size, device, dtype)
+        self.plan_key = {k: (self.plans[k].key if k in self.plans else -1) for k in KINDS}
         self.active = False
         self.owner = None           # the PagedCache whose rows are in the page tables
         self.meta: dict[str, dict[str, torch.Tensor]] = {}
@@ -69,20 +80,15 @@ class StepContext:
             real = np.ones((batch, tokens), dtype=bool)
         new = real.sum(1)
         token_index = np.flatnonzero(real.reshape(-1))
-        self.meta = {}
-        for kind in KINDS:
-            m = self.seqs[kind].step(cache.rows, new)
-            self.meta[kind] = self._to_device(dict(
-                kv_indptr=m.kv_indptr, kv_indices=m.kv_indices, kv_last_page_len=m.kv_last_page_len,
-                kv_start=m.kv_start, seq_lens=m.seq_lens, slot_mapping=m.slot_mapping))
-        self.token_index = self._to_device(dict(t=token_index))["t"]
-        self.new_lens = self._to_device(dict(n=new))["n"]
-
-    @staticmethod
-    def _to_device(arrays: dict) -> dict:
-        # CPU only for now (config refuses paged on CUDA); the GPU path will stage every array in
-        # one pinned buffer and move it with one async copy.
-        return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+        host = {kind: self.seqs[kind].step(cache.rows, new) for kind in KINDS}
+        arrays = {f"{kind}.{f}": getattr(m, f) for kind, m in host.items() for f in DEVICE_FIELDS}
+        arrays["token_index"], arrays["new_lens"] = token_index, new
+        dev = self.staging.stage(arrays)          # one host->device copy for the whole step
+        self.meta = {kind: {f: dev[f"{kind}.{f}"] for f in DEVICE_FIELDS} for kind in KINDS}
+        self.token_index, self.new_lens = dev["token_index"], dev["new_lens"]
+        for kind, plan in self.plans.items():     # once per step per kind, from host arrays
+            m = host[kind]
+            plan.plan(m.qo_indptr, m.kv_indptr, m.kv_last_page_len, self.meta[kind]["kv_indices"])
 
     def release(self, cache) -> None:
         if cache.rows is not None:

@@ -79,9 +79,20 @@ def test_caller_cache_and_beam_search_use_hf_path():
     assert model._gemma4opt.context.owner is None
 
 
-def test_paged_is_refused_on_cuda_until_verified():
+def test_paged_is_refused_on_cuda_until_verified(monkeypatch):
+    monkeypatch.delenv("GEMMA4OPT_PAGED_CUDA", raising=False)
     with pytest.raises(ValueError, match="CPU-only"):
         PAGED.resolve("cuda")
+
+
+def test_paged_conflicts_are_named():
+    import dataclasses
+
+    with pytest.raises(ValueError, match="cache='static' and attention='paged'"):
+        dataclasses.replace(PAGED, cache="static").resolve("cpu")
+    with pytest.raises(ValueError, match="cuda_graphs=True with attention='paged'"):
+        dataclasses.replace(PAGED, cuda_graphs=True).resolve("cpu")
+    assert PAGED.resolve("cpu").cache == "dynamic"
 
 
 def test_kv_producers_follow_hf_sharing():

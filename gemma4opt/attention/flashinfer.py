@@ -1,0 +1,108 @@
+"""FlashInfer paged attention for CUDA: one wrapper per attention kind, planned once per step.
+
+The step's page metadata exists on the host first (attention/pages.py), so ``plan`` gets host
+int32 tensors for qo_indptr, kv_indptr and last_page_len (FlashInfer moves them to the CPU
+otherwise: a device->host sync per plan) and the device copy of kv_indices from the step's one
+staged copy. Every layer of that kind then runs on the same plan; KV-shared layers read their
+producer's pages with it. Sliding and full layers need separate wrappers anyway: FlashInfer
+bakes ``window_left`` into the plan. Head dims: 256 (FA3 on Hopper) and 512 (FA2; FA3 has no
+512). ``window_left = window - 1`` matches HF's bound (a query sees itself and window-1 keys back).
+
+Registered under an int key so the custom op (which takes no Python objects) can find its plan.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+
+_PLANS: dict[int, "KindPlan"] = {}
+_keys = itertools.count()
+WORKSPACE_BYTES = 256 << 20
+
+
+def available() -> str | None:
+    """None when FlashInfer can be imported, else the reason."""
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as e:  # ImportError, or a CUDA/JIT setup error raised at import
+        return f"flashinfer not importable ({type(e).__name__}: {e}); pip install 'gemma4opt[gpu]'"
+    return None
+
+
+class KindPlan:
+    """One attention kind's FlashInfer wrapper and the geometry it was built for."""
+
+    def __init__(self, workspace, num_qo_heads, num_kv_heads, head_dim, page_size, window, dtype, scale=1.0,
+                 last_token_layers=False):
+        import flashinfer
+
+        self.key = next(_keys)
+        self.heads = (num_qo_heads, num_kv_heads, head_dim)
+        self.page_size, self.window, self.dtype, self.scale = page_size, window, dtype, scale
+        backend = "fa2" if head_dim > 256 else "auto"
+
+        def wrapper():
+            return flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="NHD", backend=backend)
+
+        self.wrapper = wrapper()
+        # KV-shared layers at prefill: one query (the last token) per sequence over the same pages.
+        self.last_wrapper = wrapper() if last_token_layers else None
+        self.decode = False
+        self.planned = False
+        _PLANS[self.key] = self
+
+    def plan(self, qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_last_page_len: np.ndarray,
+             kv_indices: torch.Tensor) -> None:
+        B = len(kv_last_page_len)
+        kv_indptr_t = torch.from_numpy(np.ascontiguousarray(kv_indptr, dtype=np.int32))
+        last_t = torch.from_numpy(np.ascontiguousarray(kv_last_page_len, dtype=np.int32))
+        ones = np.arange(B + 1, dtype=np.int32)
+        self.decode = len(qo_indptr) == B + 1 and int(qo_indptr[-1]) == B
+        self._plan(self.wrapper, torch.from_numpy(np.ascontiguousarray(qo_indptr, dtype=np.int32)), kv_indptr_t,
+                   kv_indices, last_t)
+        if self.last_wrapper is not None and not self.decode:
+            self._plan(self.last_wrapper, torch.from_numpy(ones), kv_indptr_t, kv_indices, last_t)
+        self.planned = True
+
+    def _plan(self, wrapper, qo_indptr, kv_indptr, kv_indices, kv_last_page_len) -> None:
+        h, kvh, d = self.heads
+        wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, h, kvh, d, self.page_size, causal=True,
+                     window_left=(self.window - 1) if self.window else -1, sm_scale=self.scale,
+                     q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True)
+
+    def release(self) -> None:
+        _PLANS.pop(self.key, None)
+
+
+def run_planned(plan_key: int, q: torch.Tensor, kv: torch.Tensor, window: int, scale: float,
+                last_only: bool = False) -> torch.Tensor:
+    plan = _PLANS.get(plan_key)
+    if plan is None or not plan.planned:
+        raise RuntimeError(f"gemma4opt.paged_attention: no FlashInfer plan {plan_key} for this step (the paged "
+                           "cache's step was not begun on this model)")
+    if (window if window > 0 else None) != plan.window or scale != plan.scale:
+        raise RuntimeError(f"gemma4opt.paged_attention: layer (window {window}, scale {scale}) does not match its "
+                           f"kind's plan (window {plan.window}, scale {plan.scale})")
+    if last_only and not plan.decode:
+        if plan.last_wrapper is None:
+            raise RuntimeError("gemma4opt.paged_attention: a last-token query at prefill, but this model has no "
+                               "KV-shared layers to plan it for")
+        return plan.last_wrapper.run(q, kv)
+    return plan.wrapper.run(q, kv)
+
+
+def build_plans(text_config, page_size: int, device, dtype) -> dict[str, KindPlan]:
+    """One plan per attention kind present in the model, sharing one float workspace."""
+    workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    plans = {}
+    for layer, kind in enumerate(text_config.layer_types):
+        if kind in plans:
+            continue
+        lc = text_config.per_layer_config[layer]
+        window = text_config.sliding_window if kind == "sliding_attention" else None
+        plans[kind] = KindPlan(workspace, text_config.num_attention_heads, lc.num_key_value_heads, lc.head_dim,
+                               page_size, window, dtype,
+                               last_token_layers=bool(getattr(text_config, "num_kv_shared_layers", 0)))
+    return plans

@@ -1,0 +1,56 @@
+"""HostStaging: a step's small int arrays to the device in one async copy, never read back.
+
+Every array of a step (page metadata of each attention kind, token index, new lengths) is packed
+into one int32 host buffer, copied with one ``non_blocking`` copy, and handed out as views of
+the device buffer. On CUDA the host buffers are pinned and double-buffered: the buffer written
+for step n+2 is the one step n copied from, and an event recorded after that copy says whether
+the GPU has read it yet (it has, unless the host ran two steps ahead: then, and only then, the
+host waits on that event). On the CPU the views alias the packed buffer: no copy at all.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class HostStaging:
+    def __init__(self, device, capacity: int = 1 << 16):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.copies = 0                # host->device copies issued (one per step)
+        self._slot = 0
+        self._alloc(capacity)
+
+    def _alloc(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.host = [torch.empty(capacity, dtype=torch.int32, pin_memory=self.cuda) for _ in range(2 if self.cuda else 1)]
+        self.events = [None] * len(self.host)
+        self.dev = torch.empty(capacity, dtype=torch.int32, device=self.device) if self.cuda else None
+
+    def stage(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Device int32 tensors (views of one buffer) with the contents of ``arrays``."""
+        sizes = [int(np.size(a)) for a in arrays.values()]
+        total = sum(sizes)
+        if total > self.capacity:
+            self._alloc(max(total, 2 * self.capacity))   # rare: grows geometrically; old copies have been issued
+        slot = self._slot
+        self._slot = (slot + 1) % len(self.host)
+        if self.events[slot] is not None and not self.events[slot].query():
+            self.events[slot].synchronize()           # the host is two steps ahead of this copy
+        host = self.host[slot]
+        packed = host.numpy()
+        out, off = {}, 0
+        for (name, a), n in zip(arrays.items(), sizes):
+            packed[off:off + n] = np.asarray(a).reshape(-1)
+            out[name] = (off, n, np.shape(a))
+            off += n
+        if self.cuda:
+            self.dev[:total].copy_(host[:total], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self.events[slot] = ev
+            base = self.dev
+        else:
+            base = host
+        self.copies += 1
+        return {name: base[o:o + n].view(shape) for name, (o, n, shape) in out.items()}
