@@ -1,11 +1,13 @@
-"""Host time per decode step for the paged-KV metadata (both attention kinds), batch 1 to 512.
+"""Host time per decode step for paged-KV metadata + staging + FlashInfer plan, batch 1 to 512.
 
-    python benchmarks/bench_plan.py [--context 4096] [--page-size 16]
+    python benchmarks/bench_plan.py [--context 4096] [--page-size 16] [--device cuda]
 
-Measures StepContext-style work: PagedSequences.step for a sliding and a full kind (page
-alloc/free, indptr, indices, last_page_len, slot mapping, all numpy) plus the int tensors
-handed to the graph. The cost is per step and per attention kind, not per layer. FlashInfer's
-plan() is not included yet (it runs on the GPU machine once the FlashInfer path lands).
+Per step, for a sliding (window, head_dim 256) and a full (head_dim 512) kind with the 31b
+preset's heads: PagedSequences.step (page alloc/free, indptr, indices, last_page_len, slot
+mapping; numpy), HostStaging (one int32 buffer, one async copy; pinned on CUDA), and on CUDA
+with FlashInfer, one plan() per kind from host arrays: what StepContext.begin_step does. The
+cost is per step and per attention kind, not per layer. Next to it, FlashInfer's plan() fed
+device tensors (it copies them back to the host: a sync per plan), the naive way.
 """
 from __future__ import annotations
 
@@ -16,6 +18,23 @@ import numpy as np
 import torch
 
 from gemma4opt.attention.pages import PagedSequences, PagePool
+from gemma4opt.attention.staging import HostStaging
+from gemma4opt.runtime.context import DEVICE_FIELDS
+
+KINDS = (("sliding", 32, 16, 256), ("full", 32, 4, 512))   # name, q heads, kv heads, head_dim (31b)
+
+
+def _plans(args, device):
+    if device != "cuda":
+        return None
+    from gemma4opt.attention.flashinfer import KindPlan, available
+
+    if available() is not None:
+        print(f"# FlashInfer: {available()} -> plan() not measured")
+        return None
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    return [KindPlan(ws, h, kvh, d, args.page_size, args.window if name == "sliding" else None, torch.bfloat16)
+            for name, h, kvh, d in KINDS]
 
 
 def main(argv=None):
@@ -25,31 +44,46 @@ def main(argv=None):
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256, 512])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     ps = args.page_size
-    print(f"# context {args.context}, page size {ps}, window {args.window}; µs per decode step (host)")
-    print(f"{'batch':>6} {'metadata µs':>12} {'+ tensors µs':>13} {'mean µs':>8}   (median over steps; a step that"
-          " adds or frees a page rebuilds the page lists, the others reuse them)")
+    plans = _plans(args, args.device)
+    print(f"# context {args.context}, page size {ps}, window {args.window}, {args.device}; µs per decode step "
+          "(host, both kinds; median over steps, mean in brackets)")
+    print(f"{'batch':>6} {'metadata':>14} {'+ staging':>14} {'+ plan':>14} {'naive plan':>14}")
     for b in args.batch:
         pages = b * (-(-(args.context + args.steps + 8) // ps) + 1)
         kinds = [PagedSequences(PagePool(pages, ps), b, args.context + args.steps + 8, w, max_step_tokens=args.context)
                  for w in (args.window, None)]
+        staging = HostStaging(args.device)
         rows = np.arange(b)
         for s in kinds:
             s.step(rows, np.full(b, args.context))           # prefill
         ones = np.ones(b, dtype=np.int64)
-        t_meta, t_all = [], []
+        t = {k: [] for k in ("meta", "staged", "planned", "naive")}
         for _ in range(args.steps):
             t0 = time.perf_counter()
             metas = [s.step(rows, ones) for s in kinds]
             t1 = time.perf_counter()
-            for m in metas:
-                for a in (m.kv_indptr, m.kv_indices, m.kv_last_page_len, m.kv_start, m.seq_lens, m.slot_mapping):
-                    torch.from_numpy(a)
+            dev = staging.stage({f"{i}.{f}": getattr(m, f) for i, m in enumerate(metas) for f in DEVICE_FIELDS})
             t2 = time.perf_counter()
-            t_meta.append(t1 - t0)
-            t_all.append(t2 - t0)
-        print(f"{b:>6} {np.median(t_meta) * 1e6:>12.1f} {np.median(t_all) * 1e6:>13.1f} {np.mean(t_all) * 1e6:>8.1f}")
+            if plans:
+                for i, (m, p) in enumerate(zip(metas, plans)):
+                    p.plan(m.qo_indptr, m.kv_indptr, m.kv_last_page_len, dev[f"{i}.kv_indices"])
+            t3 = time.perf_counter()
+            if plans:
+                for i, (m, p) in enumerate(zip(metas, plans)):
+                    h, kvh, d = p.heads
+                    p.wrapper.plan(torch.from_numpy(m.qo_indptr).to(args.device), dev[f"{i}.kv_indptr"],
+                                   dev[f"{i}.kv_indices"], dev[f"{i}.kv_last_page_len"], h, kvh, d, ps, causal=True,
+                                   window_left=(p.window - 1) if p.window else -1, sm_scale=1.0,
+                                   q_data_type=p.dtype, kv_data_type=p.dtype)
+            t4 = time.perf_counter()
+            for k, v in zip(t, (t1 - t0, t2 - t0, t3 - t0, t4 - t3)):
+                t[k].append(v)
+        cells = [f"{np.median(t[k]) * 1e6:7.1f} ({np.mean(t[k]) * 1e6:5.0f})" if plans or k in ("meta", "staged")
+                 else f"{'-':>14}" for k in t]
+        print(f"{b:>6} " + " ".join(f"{c:>14}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":
