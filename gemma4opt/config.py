@@ -21,14 +21,16 @@ class Gemma4OptConfig:
         bit), and CUDA decode steps replay it as gemma4opt's own CUDA graphs (runtime.decode_graphs):
         seconds to compile. ``True``: Inductor lowers the rest (with cuda_graphs, decode only, as
         cudagraph trees); measured on an H200, a 12-layer 31b took over 6 minutes to compile.
-    cuda_graphs: replay decode steps as CUDA graphs (cudagraph trees over the static cache).
-        ``None`` = on when on CUDA with a static cache.
+    cuda_graphs: replay decode steps as CUDA graphs over HF's static cache (gemma4opt's runner,
+        or Inductor's cudagraph trees with ``inductor=True``). ``None`` = on when on CUDA with a
+        static cache. Not with attention="paged" yet.
     cache: KV cache ``generate`` uses when the caller passes none. "auto" = "static" on CUDA
         (fixed shapes: one decode graph, no recompiles), "dynamic" on CPU.
     attention: "hf" keeps HF's attention over HF's cache. "paged" gives generate a paged KV cache
         (gemma4opt.attention) whose attention reads page tables built on the host; sliding layers
-        free the pages their window left behind. CPU (reference attention) only for now: the
-        FlashInfer path is not verified on a GPU yet, so CUDA models refuse it.
+        free the pages their window left behind. CPU: reference attention. CUDA: FlashInfer
+        (attention/flashinfer.py), not verified on a GPU yet, so refused unless the environment
+        sets GEMMA4OPT_PAGED_CUDA=1.
     page_size, max_batch_size, max_seq_len, kv_pool_pages: the paged cache's shape; kv_pool_pages
         (per attention kind) defaults to max_batch_size full-length sequences.
     """

@@ -2,8 +2,8 @@
 
 Dynamo hands the backend a graph whose inputs are the model's parameters and buffers (fixed
 addresses), HF's static-cache tensors (fixed once marked static) and a few per-step tensors
-(input ids, positions, masks). The first call for a new set of fixed addresses runs eagerly on a
-side stream (cuBLAS handles, Triton autotuning), the next one captures, and every later call
+(input ids, positions, masks). The first call for a new set of fixed addresses runs eagerly (cuBLAS
+handles, Triton autotuning), the next one captures, and every later call
 copies the per-step tensors into the captured inputs and replays: one launch per step, nothing
 read back on the host. Fixed inputs are checked by address on every call, so a new cache object
 is captured anew instead of replaying over stale memory.
@@ -138,12 +138,9 @@ class GraphedDecode:
         return tuple(outputs)
 
     def _warmup(self, args):
-        side = _cuda.Stream()
-        side.wait_stream(_cuda.current_stream())
-        with _cuda.stream(side):
-            out = self.gm(*args)
-        _cuda.current_stream().wait_stream(side)
-        return out
+        # On the current stream: its outputs (logits) are read by generate right after, so no
+        # cross-stream lifetimes; the capture itself runs on torch.cuda.graph's own stream.
+        return self.gm(*args)
 
     def _capture(self, args) -> _Captured:
         inputs = list(args)
