@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One command per GPU call: install the carried FlashInfer wheels (.whl/, if present) and this
+# package, then run the named stages, each under its own timeout, logging to $OUT/<stage>.log.
+#
+#   bash benchmarks/gpu_session.sh tests gen1          # one device call (<= 10 min)
+#   bash benchmarks/gpu_session.sh paged plan kernels  # the next one
+#
+# Stages, most important first: tests (tiny variants on CUDA, decode graphs), gen1 (31b x 12
+# layers, batch 1: gemma4opt / HF eager / HF static+compile), gen32 (same at batch 32), paged
+# (FlashInfer op numerics, paged generate == eager, sync-free decode), plan (host step cost with
+# FlashInfer plan), kernels (Triton vs Inductor), realdims (bf16 error vs fp32 on real dims).
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gemma4opt-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+
+stage() {
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit}s)"
+  timeout "$limit" "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/$name.log" | tail -40
+  echo "== $name rc=${PIPESTATUS[0]}"
+}
+PYTEST="python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short"
+for s in "$@"; do
+  case $s in
+    tests) stage tests 150 $PYTEST tests/gpu/test_gpu_generate.py -k "captured" ;;
+    gen1) stage gen1 330 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 \
+            --systems gemma4opt eager static_compile --json "$OUT/gen.jsonl" ;;
+    gen32) stage gen32 330 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 32 \
+            --systems gemma4opt eager static_compile --json "$OUT/gen.jsonl" ;;
+    paged) GEMMA4OPT_PAGED_CUDA=1 stage paged 300 $PYTEST -s tests/gpu/test_gpu_paged.py ;;
+    plan) stage plan 120 python3 benchmarks/bench_plan.py --device cuda ;;
+    kernels) stage kernels 240 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" ;;
+    realdims) stage realdims 200 $PYTEST -s tests/gpu/test_gpu_generate.py -k "real_dims" ;;
+    profile) stage profile 150 python3 benchmarks/profile_decode.py --preset 31b --layers 4 --new 16 ;;
+    *) echo "unknown stage $s" ;;
+  esac
+done
