@@ -45,10 +45,14 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256, 512])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--aligned", action="store_true",
+                    help="every sequence at the same length (page crossings all on one step); default: lengths "
+                         "uniform in [context/2, context], so some sequence crosses a page almost every step")
     args = ap.parse_args(argv)
     ps = args.page_size
     plans = _plans(args, args.device)
-    print(f"# context {args.context}, page size {ps}, window {args.window}, {args.device}; µs per decode step "
+    print(f"# context {args.context} ({'all equal' if args.aligned else 'lengths from context/2 to context'}), "
+          f"page size {ps}, window {args.window}, {args.device}; µs per decode step "
           "(host, both kinds; median over steps, mean in brackets)")
     print(f"{'batch':>6} {'metadata':>14} {'+ staging':>14} {'+ plan':>14} {'naive plan':>14}")
     for b in args.batch:
@@ -57,13 +61,15 @@ def main(argv=None):
                  for w in (args.window, None)]
         staging = HostStaging(args.device)
         rows = np.arange(b)
+        lens = (np.full(b, args.context) if args.aligned
+                else np.random.default_rng(b).integers(args.context // 2, args.context + 1, size=b))
         for s in kinds:
-            s.step(rows, np.full(b, args.context))           # prefill
+            s.step(rows, lens)                                # prefill
         ones = np.ones(b, dtype=np.int64)
         t = {k: [] for k in ("meta", "staged", "planned", "naive")}
         for _ in range(args.steps):
             t0 = time.perf_counter()
-            metas = [s.step(rows, ones) for s in kinds]
+            metas = [s.step(rows, ones, decode=True) for s in kinds]
             t1 = time.perf_counter()
             dev = staging.stage({f"{i}.{f}": getattr(m, f) for i, m in enumerate(metas) for f in DEVICE_FIELDS})
             t2 = time.perf_counter()

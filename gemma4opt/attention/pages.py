@@ -80,12 +80,30 @@ class PagedSequences:
         self.active = np.zeros(max_batch, dtype=bool)
         self.max_seq_len = max_seq_len
         self._cached = None   # (rows, kv_indptr, kv_indices, kv_start) while no page was added or freed
+        self._fast = None     # (rows object, decode steps left without page changes, last StepMeta)
 
     def pages_held(self) -> int:
         return int((self.count - self.first)[self.active].sum())
 
-    def step(self, rows: np.ndarray, new_tokens: np.ndarray) -> StepMeta:
-        """Append ``new_tokens[i]`` tokens to sequence ``rows[i]``; free what no query can see; return metadata."""
+    def step(self, rows: np.ndarray, new_tokens: np.ndarray, decode: bool = False) -> StepMeta:
+        """Append ``new_tokens[i]`` tokens to sequence ``rows[i]``; free what no query can see; return metadata.
+
+        ``decode``: one token per sequence, and ``rows`` is the same array object as the last
+        step's. Then, while no sequence crosses a page boundary or drops a page out of its
+        window (15 of 16 steps at page size 16), the last step's metadata is advanced in place
+        (slot, last_page_len and seq_lens + 1): a handful of numpy calls, whatever the batch.
+        The returned arrays are valid until the next step (callers copy them: staging, plan).
+        """
+        fast = self._fast
+        if decode and fast is not None and fast[0] is rows and fast[1] > 0:
+            self._fast = (rows, fast[1] - 1, fast[2])
+            m = fast[2]
+            self.seq_len[rows] += 1
+            m.kv_last_page_len += 1
+            m.slot_mapping += 1
+            m.seq_lens += 1
+            return m
+        rows_in = rows
         rows = np.asarray(rows, dtype=np.int64)
         new = np.asarray(new_tokens, dtype=np.int64)
         ps, ring = self.pool.page_size, self.ring
@@ -95,7 +113,7 @@ class PagedSequences:
             i = int(np.argmax(new_len > self.max_seq_len))
             raise ValueError(f"sequence {int(rows[i])} would hold {int(new_len[i])} tokens; "
                              f"Gemma4OptConfig.max_seq_len is {self.max_seq_len}")
-        changed = False
+        drop = grow_ids = None
         # Pages no query of this step can see: every token below (first query position - window + 1).
         if self.window is not None:
             dead = np.maximum(old_len - self.window + 1, 0) // ps
@@ -103,7 +121,8 @@ class PagedSequences:
             if drop.any():
                 self._release(rows, self.first[rows], drop)
                 self.first[rows] += drop
-                changed = True
+            else:
+                drop = None
         need_total = -(-new_len // ps)
         grow = need_total - self.count[rows]
         n_alloc = int(grow.sum())
@@ -116,16 +135,32 @@ class PagedSequences:
             logical = np.repeat(self.count[rows], grow) + _ranks(grow)
             self.table[rows[seq_of], logical % ring] = ids
             self.count[rows] = need_total
-            changed = True
+            grow_ids = (grow, ids)
         self.seq_len[rows] = new_len
         self.active[rows] = True
-        return self._meta(rows, old_len, new, new_len, changed)
+        meta = self._meta(rows, old_len, new, new_len, drop, grow_ids)
+        self._fast = None
+        if decode:
+            self._fast = (rows_in, self._fast_steps(rows, new_len), meta)
+        return meta
 
-    def _meta(self, rows, old_len, new, new_len, changed) -> StepMeta:
+    def _fast_steps(self, rows, length) -> int:
+        """Decode steps after this one that need no page added or freed, for every sequence."""
+        ps = self.pool.page_size
+        room = (-length) % ps                                   # tokens until a new page is needed
+        steps = min(int(room.min()), int(self.max_seq_len - length.max()))
+        if self.window is not None:
+            # The step with old length L + j frees a page once L + j - window + 1 reaches (first + 1) * ps.
+            steps = min(steps, int(((self.first[rows] + 1) * ps + self.window - 1 - length).min()))
+        return max(steps, 0)
+
+    def _meta(self, rows, old_len, new, new_len, drop, grow_ids) -> StepMeta:
         ps, ring = self.pool.page_size, self.ring
         cached = self._cached
-        if changed or cached is None or not np.array_equal(cached[0], rows):
-            # Live page lists change only when a page is added or freed (every page_size tokens).
+        if cached is not None and np.array_equal(cached[0], rows):
+            if drop is not None or grow_ids is not None:
+                cached = self._cached = _edit_page_lists(cached, drop, grow_ids, ps)
+        else:
             first, live = self.first[rows], self.count[rows] - self.first[rows]
             kv_indptr = np.zeros(len(rows) + 1, dtype=np.int32)
             np.cumsum(live, out=kv_indptr[1:])
@@ -150,15 +185,35 @@ class PagedSequences:
         seq_of = np.repeat(np.arange(len(rows)), n)
         logical = np.repeat(start, n) + _ranks(n)
         self.pool.free(self.table[rows[seq_of], logical % self.ring])
-        self._cached = None
 
     def release(self, rows) -> None:
         """Return every page of these sequences to the pool (generate finished or raised)."""
         rows = np.asarray(rows, dtype=np.int64)
         rows = rows[self.active[rows]]
         self._release(rows, self.first[rows], self.count[rows] - self.first[rows])
+        self._cached = self._fast = None
         self.seq_len[rows] = self.first[rows] = self.count[rows] = 0
         self.active[rows] = False
+
+
+def _edit_page_lists(cached, drop, grow_ids, ps):
+    """The cached (rows, kv_indptr, kv_indices, kv_start) after dropping ``drop[i]`` pages from the
+    front and appending ``grow[i]`` new pages (``ids``, in sequence order) to the back of each
+    sequence's list: one np.delete and one np.insert, instead of regathering every live page."""
+    rows, indptr, indices, kv_start = cached
+    if drop is not None:
+        indices = np.delete(indices, np.repeat(indptr[:-1], drop) + _ranks(drop))
+        shift = np.zeros(len(indptr), dtype=np.int64)
+        np.cumsum(drop, out=shift[1:])
+        indptr = (indptr - shift).astype(np.int32)
+        kv_start = kv_start + drop * ps
+    if grow_ids is not None:
+        grow, ids = grow_ids
+        indices = np.insert(indices, np.repeat(indptr[1:], grow), ids)   # before each list's end, in order
+        shift = np.zeros(len(indptr), dtype=np.int64)
+        np.cumsum(grow, out=shift[1:])
+        indptr = (indptr + shift).astype(np.int32)
+    return rows, indptr, indices, kv_start
 
 
 def _ranks(counts: np.ndarray) -> np.ndarray:

@@ -64,6 +64,7 @@ class StepContext:
 
     def begin_step(self, cache, batch: int, tokens: int, attention_mask) -> None:
         """Host-side metadata for this forward. Reads the 2-D attention mask at prefill only."""
+        decode = cache.rows is not None and tokens == 1
         if cache.rows is None:
             if self.owner is not None and not self.owner.released:
                 raise RuntimeError("gemma4opt: one paged generate at a time per model; the previous one still holds "
@@ -80,7 +81,7 @@ class StepContext:
             real = np.ones((batch, tokens), dtype=bool)
         new = real.sum(1)
         token_index = np.flatnonzero(real.reshape(-1))
-        host = {kind: self.seqs[kind].step(cache.rows, new) for kind in KINDS}
+        host = {kind: self.seqs[kind].step(cache.rows, new, decode) for kind in KINDS}
         arrays = {f"{kind}.{f}": getattr(m, f) for kind, m in host.items() for f in DEVICE_FIELDS}
         arrays["token_index"], arrays["new_lens"] = token_index, new
         dev = self.staging.stage(arrays)          # one host->device copy for the whole step
