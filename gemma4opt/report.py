@@ -46,7 +46,7 @@ class Report:
                      f"warm-up steps {self.graph_warmups})")
         lines.append(f"  attention: {self.attention}")
         if self.fallbacks:
-            lines.append("  calls on HF's path: " + ", ".join(f"{k}: {v}" for k, v in self.fallbacks.items()))
+            lines.append("  fallbacks (calls): " + ", ".join(f"{k}: {v}" for k, v in self.fallbacks.items()))
         if self.rows:
             w = max(len(r.pattern) for r in self.rows)
             lines.append(f"  {'pattern':<{w}}  {'matched':>9}  {'expected':>8}  status")

@@ -15,6 +15,8 @@ Inductor avoids both but compiles a real-size Gemma-4 for many minutes.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.fx as fx
 
@@ -94,7 +96,15 @@ class GraphedDecode:
         self.fixed = [i for i, x in enumerate(example_inputs) if _is_fixed(x, fixed_ptrs)]
         fixed = set(self.fixed)
         self.moving = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and i not in fixed]
-        self.host, self.host_pos, host_only = _host_slice(gm)
+        try:
+            self.host, self.host_pos, host_only = _host_slice(gm)
+            self.not_graphed = None
+        except ValueError as e:
+            # A host value computed from device data cannot come out of a replay: run this graph
+            # eagerly (still the rewritten graph with fused ops), and say so in the report.
+            self.host, self.host_pos, host_only = None, [], set()
+            self.not_graphed = f"decode steps run eagerly, not as CUDA graphs ({e})"
+            warnings.warn(f"gemma4opt: {self.not_graphed}", stacklevel=2)
         # Non-tensor inputs the captured kernels read (shapes, sizes) key the capture; those only
         # host arithmetic reads do not.
         self.others = [i for i, x in enumerate(example_inputs) if not isinstance(x, torch.Tensor)
@@ -111,6 +121,9 @@ class GraphedDecode:
                 tuple(args[i] for i in self.others))
 
     def __call__(self, *args):
+        if self.not_graphed is not None:
+            self.state.fallbacks[self.not_graphed] += 1
+            return self.gm(*args)
         key = self._key(args)
         cap = self.graphs.get(key)
         if cap is None:

@@ -183,3 +183,21 @@ def test_generate_through_graphed_decode_on_cpu(monkeypatch, variant):
     # one warm-up for each, one capture for the second; the second generate reuses cache and capture.
     assert (st.graph_warmups, st.graph_captures) == (2, 1), (st.graph_warmups, st.graph_captures, st.graphed_calls, st.graphs_compiled)
     assert st.graphed_calls == 2 * 11 - 2      # every decode call but the two warm-ups replays
+
+
+def test_host_value_from_device_data_runs_eagerly_and_is_reported():
+    import collections
+
+    def f(x):
+        return x * 2, x.sum().item()       # an int out of device data: a replay could not produce it
+
+    gm = torch.fx.symbolic_trace(f)
+    for node in gm.graph.nodes:
+        node.meta["example_value"] = torch.zeros(3) if node.op != "call_method" or node.target != "item" else 0.0
+    state = types.SimpleNamespace(graphed_calls=0, graph_warmups=0, graph_captures=0,
+                                  fallbacks=collections.Counter())
+    with pytest.warns(UserWarning, match="not as CUDA graphs"):
+        runner = decode_graphs.GraphedDecode(gm, [torch.ones(3)], state, fixed_ptrs=set())
+    out = runner(torch.ones(3))
+    assert out[1] == 3.0 and state.graphed_calls == 0
+    assert sum(state.fallbacks.values()) == 1
