@@ -57,7 +57,8 @@ class KindPlan:
              kv_indices: torch.Tensor) -> None:
         B = len(kv_last_page_len)
         kv_indptr_t = torch.from_numpy(np.ascontiguousarray(kv_indptr, dtype=np.int32))
-        last_t = torch.from_numpy(np.ascontiguousarray(kv_last_page_len, dtype=np.int32))
+        # A copy: the decode fast path advances last_page_len in place next step (pages.py).
+        last_t = torch.from_numpy(np.array(kv_last_page_len, dtype=np.int32))
         ones = np.arange(B + 1, dtype=np.int32)
         self.decode = len(qo_indptr) == B + 1 and int(qo_indptr[-1]) == B
         self._plan(self.wrapper, torch.from_numpy(np.ascontiguousarray(qo_indptr, dtype=np.int32)), kv_indptr_t,

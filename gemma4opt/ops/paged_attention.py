@@ -49,9 +49,9 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_indptr: torch.Tensor, 
     return out
 
 
-@paged_attention.register_kernel("cuda")
-def _(q, kv, kv_indptr, kv_indices, kv_last_page_len, kv_start, seq_lens, new_lens, token_index, window, scale,
-      plan_key):
+def paged_attention_flashinfer(q, kv, kv_indptr, kv_indices, kv_last_page_len, kv_start, seq_lens, new_lens,
+                               token_index, window, scale, plan_key):
+    """The CUDA implementation (FlashInfer, planned by the step; metadata tensors unused here)."""
     from gemma4opt.attention.flashinfer import run_planned
 
     B, Tq = q.shape[:2]
@@ -69,6 +69,9 @@ def _(q, kv, kv_indptr, kv_indices, kv_last_page_len, kv_start, seq_lens, new_le
     out = torch.zeros(B * Tq, *q.shape[2:], dtype=q.dtype, device=q.device)
     out.index_copy_(0, token_index.long(), flat.to(q.dtype))
     return out.reshape(q.shape)
+
+
+paged_attention.register_kernel("cuda")(paged_attention_flashinfer)
 
 
 @paged_attention.register_fake

@@ -1,0 +1,85 @@
+"""The CUDA path's plumbing, on a CPU: gemma4opt's FlashInfer-side code (per-kind plans from host
+arrays, last-token plans for KV-shared layers, query gather/scatter, window/scale checks) runs
+HF generate against a stand-in for FlashInfer's paged prefill wrapper that computes with the
+reference attention over the plan it was given, in FlashInfer's relative positions. Tokens must
+equal HF eager's. The kernels themselves are checked on a GPU (tests/gpu/test_gpu_paged.py)."""
+import sys
+import types
+
+import pytest
+import torch
+
+import gemma4opt
+from gemma4opt.attention.reference import paged_attention_reference
+from gemma4opt.ops import paged_attention as P
+from tests.e2e.test_paged_generate import PAGED, _gen
+from tests.models import VARIANTS, WINDOW, prompt, tiny
+
+
+class _StandInWrapper:
+    """FlashInfer's BatchPrefillWithPagedKVCacheWrapper, as gemma4opt calls it, on the reference."""
+
+    plans = 0
+
+    def __init__(self, workspace, kv_layout="NHD", backend="auto"):
+        assert kv_layout == "NHD"
+        self.m = None
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads, num_kv_heads, head_dim,
+             page_size, causal=True, window_left=-1, sm_scale=None, q_data_type=None, kv_data_type=None,
+             non_blocking=True):
+        for t in (qo_indptr, kv_indptr, kv_last_page_len):   # host arrays: plan never reads the device
+            assert t.device.type == "cpu" and t.dtype == torch.int32
+        assert causal
+        _StandInWrapper.plans += 1
+        self.m = dict(qo=qo_indptr.clone(), indptr=kv_indptr.clone(), indices=kv_indices.clone(),
+                      last=kv_last_page_len.clone(), window_left=window_left, scale=sm_scale,
+                      dims=(num_qo_heads, num_kv_heads, head_dim), ps=page_size)
+
+    def run(self, q, kv):
+        m = self.m
+        assert q.shape[0] == int(m["qo"][-1]) and tuple(q.shape[1:]) == (m["dims"][0], m["dims"][2])
+        live = m["indptr"][1:] - m["indptr"][:-1]
+        kv_len = torch.where(live > 0, (live - 1) * m["ps"] + m["last"], torch.zeros_like(live))
+        window = m["window_left"] + 1 if m["window_left"] >= 0 else None
+        # Relative positions: the first live token is position 0, queries are the last ones.
+        return paged_attention_reference(q, kv, m["indptr"], m["indices"].long(), m["last"], torch.zeros_like(live),
+                                         m["qo"], kv_len, window, m["scale"])
+
+
+_registered = []
+
+
+def _cpu_runs_flashinfer_path():
+    if not _registered:
+        P.paged_attention.register_kernel("cpu")(P.paged_attention_flashinfer)
+        P.paged_attention.set_kernel_enabled("cpu", False).__enter__()   # off outside these tests
+        _registered.append(True)
+    return P.paged_attention.set_kernel_enabled("cpu", True)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_flashinfer_path_tokens_equal_eager(monkeypatch, variant):
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
+        BatchPrefillWithPagedKVCacheWrapper=_StandInWrapper))
+    from gemma4opt.attention.flashinfer import build_plans
+
+    model = tiny(variant)
+    ids = prompt(2, WINDOW + 6)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    ids[1, :5] = 0
+    want = _gen(model, ids, new=12, attention_mask=mask)
+    gemma4opt.optimize(model, PAGED)
+    ctx = model._gemma4opt.context
+    ctx.plans = build_plans(model.config, PAGED.page_size, "cpu", torch.float32)
+    ctx.plan_key = {k: p.key for k, p in ctx.plans.items()}
+    _StandInWrapper.plans = 0
+    with _cpu_runs_flashinfer_path():
+        got = _gen(model, ids, new=12, attention_mask=mask)
+    assert torch.equal(got, want)
+    shared = model.config.num_kv_shared_layers > 0
+    # One plan per kind per step (+ the last-token plan of each kind at prefill with KV sharing).
+    assert _StandInWrapper.plans == 2 * 12 + (2 if shared else 0)
+    for p in ctx.plans.values():
+        p.release()
