@@ -53,8 +53,9 @@ _registered = []
 def _cpu_runs_flashinfer_path():
     if not _registered:
         P.paged_attention.register_kernel("cpu")(P.paged_attention_flashinfer)
-        P.paged_attention.set_kernel_enabled("cpu", False).__enter__()   # off outside these tests
-        _registered.append(True)
+        off = P.paged_attention.set_kernel_enabled("cpu", False)   # off outside these tests; kept
+        off.__enter__()                                             # referenced so it never exits
+        _registered.append(off)
     return P.paged_attention.set_kernel_enabled("cpu", True)
 
 
