@@ -19,7 +19,7 @@ import torch
 
 from gemma4opt.attention.pages import PagedSequences, PagePool
 from gemma4opt.attention.staging import HostStaging
-from gemma4opt.runtime.context import DEVICE_FIELDS
+from gemma4opt.runtime.context import DEVICE_FIELDS, FLASHINFER_FIELDS
 
 KINDS = (("sliding", 32, 16, 256), ("full", 32, 4, 512))   # name, q heads, kv heads, head_dim (31b)
 
@@ -45,13 +45,19 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256, 512])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--staged", choices=["auto", "flashinfer", "reference"], default="auto",
+                    help="arrays staged per step: what FlashInfer needs on the device (CUDA) or what the reference "
+                         "attention reads (CPU); auto = by device")
     ap.add_argument("--aligned", action="store_true",
                     help="every sequence at the same length (page crossings all on one step); default: lengths "
                          "uniform in [context/2, context], so some sequence crosses a page almost every step")
     args = ap.parse_args(argv)
     ps = args.page_size
     plans = _plans(args, args.device)
+    staged = args.staged if args.staged != "auto" else ("flashinfer" if args.device == "cuda" else "reference")
+    fields = FLASHINFER_FIELDS if staged == "flashinfer" else DEVICE_FIELDS
     print(f"# context {args.context} ({'all equal' if args.aligned else 'lengths from context/2 to context'}), "
+          f"staged for {staged}, "
           f"page size {ps}, window {args.window}, {args.device}; µs per decode step "
           "(host, both kinds; median over steps, mean in brackets)")
     print(f"{'batch':>6} {'metadata':>14} {'+ staging':>14} {'+ plan':>14} {'naive plan':>14}")
@@ -71,7 +77,9 @@ def main(argv=None):
             t0 = time.perf_counter()
             metas = [s.step(rows, ones, decode=True) for s in kinds]
             t1 = time.perf_counter()
-            dev = staging.stage({f"{i}.{f}": getattr(m, f) for i, m in enumerate(metas) for f in DEVICE_FIELDS})
+            arrays = {f"{i}.{f}": getattr(m, f) for i, m in enumerate(metas) for f in fields}
+            arrays["token_index"] = rows
+            dev = staging.stage(arrays)
             t2 = time.perf_counter()
             if plans:
                 for i, (m, p) in enumerate(zip(metas, plans)):
@@ -80,8 +88,8 @@ def main(argv=None):
             if plans:
                 for i, (m, p) in enumerate(zip(metas, plans)):
                     h, kvh, d = p.heads
-                    p.wrapper.plan(torch.from_numpy(m.qo_indptr).to(args.device), dev[f"{i}.kv_indptr"],
-                                   dev[f"{i}.kv_indices"], dev[f"{i}.kv_last_page_len"], h, kvh, d, ps, causal=True,
+                    p.wrapper.plan(*(torch.from_numpy(a).to(args.device) for a in (  # one copy each, plan reads back
+                        m.qo_indptr, m.kv_indptr, m.kv_indices, m.kv_last_page_len)), h, kvh, d, ps, causal=True,
                                    window_left=(p.window - 1) if p.window else -1, sm_scale=1.0,
                                    q_data_type=p.dtype, kv_data_type=p.dtype)
             t4 = time.perf_counter()

@@ -202,14 +202,22 @@ def _edit_page_lists(cached, drop, grow_ids, ps):
     sequence's list: one np.delete and one np.insert, instead of regathering every live page."""
     rows, indptr, indices, kv_start = cached
     if drop is not None:
-        indices = np.delete(indices, np.repeat(indptr[:-1], drop) + _ranks(drop))
+        keep = np.ones(len(indices), dtype=bool)      # np.delete/np.insert cost ~15-25 µs of Python each
+        keep[np.repeat(indptr[:-1], drop) + _ranks(drop)] = False
+        indices = indices[keep]
         shift = np.zeros(len(indptr), dtype=np.int64)
         np.cumsum(drop, out=shift[1:])
         indptr = (indptr - shift).astype(np.int32)
         kv_start = kv_start + drop * ps
     if grow_ids is not None:
         grow, ids = grow_ids
-        indices = np.insert(indices, np.repeat(indptr[1:], grow), ids)   # before each list's end, in order
+        at = np.repeat(indptr[1:], grow) + np.arange(len(ids))     # each list's end, in the grown array
+        out = np.empty(len(indices) + len(ids), dtype=indices.dtype)
+        old = np.ones(len(out), dtype=bool)
+        old[at] = False
+        out[at] = ids
+        out[old] = indices
+        indices = out
         shift = np.zeros(len(indptr), dtype=np.int64)
         np.cumsum(grow, out=shift[1:])
         indptr = (indptr + shift).astype(np.int32)

@@ -14,8 +14,11 @@ from gemma4opt.attention.pages import PagedSequences, PagePool
 from gemma4opt.attention.staging import HostStaging
 
 KINDS = ("sliding_attention", "full_attention")
-# Per-kind page metadata the attention ops read on the device.
+# Per-kind page metadata the attention ops read on the device: all of it for the reference
+# attention; with FlashInfer (whose plan took the rest from host arrays) only what kv_append and
+# plan read there. Fields not staged are passed as one empty tensor the CUDA op ignores.
 DEVICE_FIELDS = ("kv_indptr", "kv_indices", "kv_last_page_len", "kv_start", "seq_lens", "slot_mapping")
+FLASHINFER_FIELDS = ("kv_indices", "slot_mapping")
 
 
 def kv_producers(cfg) -> dict[int, int]:
@@ -56,6 +59,7 @@ class StepContext:
 
             self.plans = build_plans(cfg, oc.page_size, device, dtype)
         self.plan_key = {k: (self.plans[k].key if k in self.plans else -1) for k in KINDS}
+        self.unused = torch.zeros(0, dtype=torch.int32, device=device)
         self.active = False
         self.owner = None           # the PagedCache whose rows are in the page tables
         self.meta: dict[str, dict[str, torch.Tensor]] = {}
@@ -82,11 +86,14 @@ class StepContext:
         new = real.sum(1)
         token_index = np.flatnonzero(real.reshape(-1))
         host = {kind: self.seqs[kind].step(cache.rows, new, decode) for kind in KINDS}
-        arrays = {f"{kind}.{f}": getattr(m, f) for kind, m in host.items() for f in DEVICE_FIELDS}
-        arrays["token_index"], arrays["new_lens"] = token_index, new
+        fields = FLASHINFER_FIELDS if self.plans else DEVICE_FIELDS
+        arrays = {f"{kind}.{f}": getattr(m, f) for kind, m in host.items() for f in fields}
+        arrays["token_index"] = token_index
+        if not self.plans:
+            arrays["new_lens"] = new
         dev = self.staging.stage(arrays)          # one host->device copy for the whole step
-        self.meta = {kind: {f: dev[f"{kind}.{f}"] for f in DEVICE_FIELDS} for kind in KINDS}
-        self.token_index, self.new_lens = dev["token_index"], dev["new_lens"]
+        self.meta = {kind: {f: dev.get(f"{kind}.{f}", self.unused) for f in DEVICE_FIELDS} for kind in KINDS}
+        self.token_index, self.new_lens = dev["token_index"], dev.get("new_lens", self.unused)
         for kind, plan in self.plans.items():     # once per step per kind, from host arrays
             m = host[kind]
             plan.plan(m.qo_indptr, m.kv_indptr, m.kv_last_page_len, self.meta[kind]["kv_indices"])

@@ -74,7 +74,7 @@ def test_flashinfer_path_tokens_equal_eager(monkeypatch, variant):
     gemma4opt.optimize(model, PAGED)
     ctx = model._gemma4opt.context
     ctx.plans = build_plans(model.config, PAGED.page_size, "cpu", torch.float32)
-    ctx.plan_key = {k: p.key for k, p in ctx.plans.items()}
+    ctx.plan_key = {k: p.key for k, p in ctx.plans.items()}   # (before the first call: traced as constants)
     _StandInWrapper.plans = 0
     with _cpu_runs_flashinfer_path():
         got = _gen(model, ids, new=12, attention_mask=mask)
