@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gemma4opt.attention.page_lists import edit_page_lists, ranks
+
 
 class PoolExhausted(RuntimeError):
     """Raised before any page is handed out or any KV written."""
@@ -105,14 +107,16 @@ class PagedSequences:
             return m
         rows_in = rows
         rows = np.asarray(rows, dtype=np.int64)
+        meta = self._decode_step(rows) if decode else None
+        if meta is not None:
+            self._fast = (rows_in, self._fast_steps(rows, meta.seq_lens), meta)
+            return meta
         new = np.asarray(new_tokens, dtype=np.int64)
         ps, ring = self.pool.page_size, self.ring
         old_len = self.seq_len[rows]
         new_len = old_len + new
         if (new_len > self.max_seq_len).any():
-            i = int(np.argmax(new_len > self.max_seq_len))
-            raise ValueError(f"sequence {int(rows[i])} would hold {int(new_len[i])} tokens; "
-                             f"Gemma4OptConfig.max_seq_len is {self.max_seq_len}")
+            self._too_long(rows, new_len)
         drop = grow_ids = None
         # Pages no query of this step can see: every token below (first query position - window + 1).
         if self.window is not None:
@@ -127,12 +131,11 @@ class PagedSequences:
         grow = need_total - self.count[rows]
         n_alloc = int(grow.sum())
         if n_alloc:
-            if (need_total - self.first[rows] > ring).any():
-                raise ValueError(f"a sequence needs {int((need_total - self.first[rows]).max())} live pages, ring "
-                                 f"holds {ring}: raise max_step_tokens (prefill chunk) for this sliding kind")
+            self._check_ring(need_total - self.first[rows])
             ids = self.pool.alloc(n_alloc)
             seq_of = np.repeat(np.arange(len(rows)), grow)
-            logical = np.repeat(self.count[rows], grow) + _ranks(grow)
+
+            logical = np.repeat(self.count[rows], grow) + ranks(grow)
             self.table[rows[seq_of], logical % ring] = ids
             self.count[rows] = need_total
             grow_ids = (grow, ids)
@@ -144,6 +147,54 @@ class PagedSequences:
             self._fast = (rows_in, self._fast_steps(rows, new_len), meta)
         return meta
 
+    def _decode_step(self, rows) -> StepMeta | None:
+        """One token per sequence: each list gains or drops at most one page, so boolean masks do
+        what counts and repeats do in the general path (half the numpy calls). None when a
+        sequence would drop several pages (the first decode step after a long prefill)."""
+        ps, ring = self.pool.page_size, self.ring
+        old = self.seq_len[rows]
+        if int(old.max()) >= self.max_seq_len:
+            self._too_long(rows, old + 1)
+        first = self.first[rows]
+        drop = None
+        if self.window is not None:
+            dead = np.maximum(old - (self.window - 1), 0) // ps
+            if int((dead - first).max()) > 1:
+                return None
+            drop = dead > first
+            if drop.any():
+                gone = rows[drop]
+                self.pool.free(self.table[gone, first[drop] % ring])
+                self.first[gone] += 1
+            else:
+                drop = None
+        grow, ids = old % ps == 0, None
+        if grow.any():
+            new_rows = rows[grow]
+            count = self.count[new_rows]
+            self._check_ring(count + 1 - self.first[new_rows])
+            ids = self.pool.alloc(len(new_rows))
+            self.table[new_rows, count % ring] = ids
+            self.count[new_rows] = count + 1
+        else:
+            grow = None
+        new_len = old + 1
+        self.seq_len[rows] = new_len
+        _, kv_indptr, kv_indices, kv_start = self._page_lists(rows, drop, grow, ids)
+        slots = self.table[rows, (old // ps) % ring].astype(np.int64) * ps + old % ps
+        return StepMeta(kv_indptr, kv_indices, (old % ps + 1).astype(np.int32), kv_start,
+                        np.arange(len(rows) + 1, dtype=np.int32), slots, new_len)
+
+    def _too_long(self, rows, new_len):
+        i = int(np.argmax(new_len > self.max_seq_len))
+        raise ValueError(f"sequence {int(rows[i])} would hold {int(new_len[i])} tokens; "
+                         f"Gemma4OptConfig.max_seq_len is {self.max_seq_len}")
+
+    def _check_ring(self, live_after):
+        if (live_after > self.ring).any():
+            raise ValueError(f"a sequence needs {int(live_after.max())} live pages, ring holds {self.ring}: raise "
+                             f"max_step_tokens (prefill chunk) for this sliding kind")
+
     def _fast_steps(self, rows, length) -> int:
         """Decode steps after this one that need no page added or freed, for every sequence."""
         ps = self.pool.page_size
@@ -154,21 +205,28 @@ class PagedSequences:
             steps = min(steps, int(((self.first[rows] + 1) * ps + self.window - 1 - length).min()))
         return max(steps, 0)
 
-    def _meta(self, rows, old_len, new, new_len, drop, grow_ids) -> StepMeta:
+    def _page_lists(self, rows, drop, grow, ids):
+        """(rows, kv_indptr, kv_indices, kv_start): edited from the last step's when the rows are
+        the same (pages only came and went at the ends of lists), else gathered from the table."""
         ps, ring = self.pool.page_size, self.ring
         cached = self._cached
         if cached is not None and np.array_equal(cached[0], rows):
-            if drop is not None or grow_ids is not None:
-                cached = self._cached = _edit_page_lists(cached, drop, grow_ids, ps)
-        else:
-            first, live = self.first[rows], self.count[rows] - self.first[rows]
-            kv_indptr = np.zeros(len(rows) + 1, dtype=np.int32)
-            np.cumsum(live, out=kv_indptr[1:])
-            j = np.arange(int(live.max()) if len(rows) else 0)
-            grid = self.table[rows[:, None], (first[:, None] + j[None, :]) % ring]
-            kv_indices = grid[j[None, :] < live[:, None]]
-            self._cached = cached = (rows.copy(), kv_indptr, kv_indices, first * ps)
-        _, kv_indptr, kv_indices, kv_start = cached
+            if drop is not None or grow is not None:
+                cached = self._cached = edit_page_lists(cached, drop, grow, ids, ps)
+            return cached
+        first, live = self.first[rows], self.count[rows] - self.first[rows]
+        kv_indptr = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(live, out=kv_indptr[1:])
+        j = np.arange(int(live.max()) if len(rows) else 0)
+        grid = self.table[rows[:, None], (first[:, None] + j[None, :]) % ring]
+        kv_indices = grid[j[None, :] < live[:, None]]
+        self._cached = (rows.copy(), kv_indptr, kv_indices, first * ps)
+        return self._cached
+
+    def _meta(self, rows, old_len, new, new_len, drop, grow_ids) -> StepMeta:
+        ps, ring = self.pool.page_size, self.ring
+        grow, ids = grow_ids if grow_ids is not None else (None, None)
+        _, kv_indptr, kv_indices, kv_start = self._page_lists(rows, drop, grow, ids)
         if len(new) and (new == 1).all():                 # decode: one token per sequence
             qo_indptr = np.arange(len(rows) + 1, dtype=np.int32)
             tok_rows, pos = rows, old_len
@@ -176,14 +234,14 @@ class PagedSequences:
             qo_indptr = np.zeros(len(rows) + 1, dtype=np.int32)
             np.cumsum(new, out=qo_indptr[1:])
             tok_rows = rows[np.repeat(np.arange(len(rows)), new)]
-            pos = np.repeat(old_len, new) + _ranks(new)
+            pos = np.repeat(old_len, new) + ranks(new)
         slots = self.table[tok_rows, (pos // ps) % ring].astype(np.int64) * ps + pos % ps
         return StepMeta(kv_indptr, kv_indices, ((new_len - 1) % ps + 1).astype(np.int32), kv_start, qo_indptr,
                         slots, new_len)
 
     def _release(self, rows, start, n) -> None:
         seq_of = np.repeat(np.arange(len(rows)), n)
-        logical = np.repeat(start, n) + _ranks(n)
+        logical = np.repeat(start, n) + ranks(n)
         self.pool.free(self.table[rows[seq_of], logical % self.ring])
 
     def release(self, rows) -> None:
@@ -194,40 +252,3 @@ class PagedSequences:
         self._cached = self._fast = None
         self.seq_len[rows] = self.first[rows] = self.count[rows] = 0
         self.active[rows] = False
-
-
-def _edit_page_lists(cached, drop, grow_ids, ps):
-    """The cached (rows, kv_indptr, kv_indices, kv_start) after dropping ``drop[i]`` pages from the
-    front and appending ``grow[i]`` new pages (``ids``, in sequence order) to the back of each
-    sequence's list: one np.delete and one np.insert, instead of regathering every live page."""
-    rows, indptr, indices, kv_start = cached
-    if drop is not None:
-        keep = np.ones(len(indices), dtype=bool)      # np.delete/np.insert cost ~15-25 µs of Python each
-        keep[np.repeat(indptr[:-1], drop) + _ranks(drop)] = False
-        indices = indices[keep]
-        shift = np.zeros(len(indptr), dtype=np.int64)
-        np.cumsum(drop, out=shift[1:])
-        indptr = (indptr - shift).astype(np.int32)
-        kv_start = kv_start + drop * ps
-    if grow_ids is not None:
-        grow, ids = grow_ids
-        at = np.repeat(indptr[1:], grow) + np.arange(len(ids))     # each list's end, in the grown array
-        out = np.empty(len(indices) + len(ids), dtype=indices.dtype)
-        old = np.ones(len(out), dtype=bool)
-        old[at] = False
-        out[at] = ids
-        out[old] = indices
-        indices = out
-        shift = np.zeros(len(indptr), dtype=np.int64)
-        np.cumsum(grow, out=shift[1:])
-        indptr = (indptr + shift).astype(np.int32)
-    return rows, indptr, indices, kv_start
-
-
-def _ranks(counts: np.ndarray) -> np.ndarray:
-    """[0..c0-1, 0..c1-1, ...] for counts c, without a Python loop."""
-    total = int(counts.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    starts = np.repeat(np.cumsum(counts) - counts, counts)
-    return np.arange(total, dtype=np.int64) - starts
