@@ -144,8 +144,8 @@ def optimize(model, config: Gemma4OptConfig | None = None):
     state.compiled_forward = torch.compile(_own_code_entry(target.forward),
                                            backend=make_backend(state, lower_prefill), fullgraph=True)
     if cfg.cuda_graphs:
-        state.decode_forward = torch.compile(_own_code_entry(target.forward), backend=make_backend(state, cfg.inductor, True, target),
-                                             fullgraph=True)
+        state.decode_forward = torch.compile(_own_code_entry(target.forward),
+                                             backend=make_backend(state, cfg.inductor, True, target), fullgraph=True)
     target.forward = _make_forward(target, state)
 
     if cfg.attention == "paged":

@@ -23,7 +23,8 @@ class HostStaging:
 
     def _alloc(self, capacity: int) -> None:
         self.capacity = capacity
-        self.host = [torch.empty(capacity, dtype=torch.int32, pin_memory=self.cuda) for _ in range(2 if self.cuda else 1)]
+        buffers = 2 if self.cuda else 1
+        self.host = [torch.empty(capacity, dtype=torch.int32, pin_memory=self.cuda) for _ in range(buffers)]
         self.events = [None] * len(self.host)
         self.dev = torch.empty(capacity, dtype=torch.int32, device=self.device) if self.cuda else None
 
