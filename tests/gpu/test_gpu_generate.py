@@ -48,3 +48,32 @@ def test_real_dims_bf16_error_no_worse_than_eager(preset):
     err_fused = (fused - ref32).abs().mean().item()
     print(f"{preset}: mean |logit - fp32| eager bf16 {err_eager:.4f}, gemma4opt bf16 {err_fused:.4f}")
     assert err_fused <= 1.5 * err_eager + 1e-3
+
+
+def test_graphed_decode_steps_do_not_sync():
+    """Decode steps through gemma4opt's CUDA graphs read nothing back on the host."""
+    from transformers import StaticCache
+
+    model = build_model("tiny", device="cuda")
+    gemma4opt.optimize(model)
+    ids = prompt(2, 12).cuda()
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache, use_cache=True)
+        pos = ids.shape[1]
+        steps = []
+        for i in range(12):
+            nxt = out.logits[:, -1:].argmax(-1)
+            if i == 4:      # warm-up and capture happened on the first steps
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = model(nxt, past_key_values=cache, use_cache=True,
+                            cache_position=torch.tensor([pos], device="cuda"))
+            finally:
+                if i == 11:
+                    torch.cuda.set_sync_debug_mode("default")
+            pos += 1
+            steps.append(nxt)
+    rep = gemma4opt.report(model, print_table=False)
+    assert rep.graphed_calls >= 8, str(rep)
