@@ -9,6 +9,11 @@ bakes ``window_left`` into the plan. Head dims: 256 (FA3 on Hopper) and 512 (FA2
 512). ``window_left = window - 1`` matches HF's bound (a query sees itself and window-1 keys back).
 
 Registered under an int key so the custom op (which takes no Python objects) can find its plan.
+
+FlashInfer's plan() stages its schedule in a pinned buffer per wrapper and copies it to the GPU
+asynchronously; a plan() of the next step must not overwrite that buffer before the copy ran.
+HF generate's per-step stop check keeps the host from running a step ahead; a caller that
+drives decode steps without any sync must bound how far the host runs ahead (issue 5's runtime).
 """
 from __future__ import annotations
 
