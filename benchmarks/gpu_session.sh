@@ -33,7 +33,7 @@ for s in "$@"; do
             --systems gemma4opt eager static_compile --json "$OUT/gen.jsonl" ;;
     gen32) stage gen32 330 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 32 \
             --systems gemma4opt eager static_compile --json "$OUT/gen.jsonl" ;;
-    paged) GEMMA4OPT_PAGED_CUDA=1 stage paged 300 $PYTEST -s tests/gpu/test_gpu_paged.py ;;
+    paged) GEMMA4OPT_PAGED_CUDA=1 MAX_JOBS=16 stage paged 480 $PYTEST -s tests/gpu/test_gpu_paged.py ;;  # JIT: ~30 s per kernel config
     plan) stage plan 120 python3 benchmarks/bench_plan.py --device cuda ;;
     kernels) stage kernels 240 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" ;;
     realdims) stage realdims 200 $PYTEST -s tests/gpu/test_gpu_generate.py -k "real_dims" ;;
