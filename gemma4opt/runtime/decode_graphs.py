@@ -56,8 +56,10 @@ def _host_slice(gm) -> tuple[fx.GraphModule | None, list[int], set[int]]:
         if n in needed:
             continue
         needed.add(n)
-        if n.op != "placeholder" and _is_tensor_node(n):
-            raise ValueError(f"non-tensor output depends on tensor op {n.format_node()}")
+        # Only nodes known to compute Python values run on the host (nodes without a traced
+        # value, e.g. inserted by a pass, count as device work).
+        if n.op != "placeholder" and ("example_value" not in n.meta or _is_tensor_node(n)):
+            raise ValueError(f"non-tensor output depends on device work {n.format_node()}")
         stack.extend(a for a in n.all_input_nodes)
     host_only = set()
     for i, p in enumerate(placeholders):
