@@ -6,6 +6,7 @@ import functools
 import itertools
 import types
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +17,7 @@ from gemma4opt.compiler.pass_manager import PassManager, PatternStats
 from gemma4opt.compiler.pattern import PassContext
 from gemma4opt.config import Gemma4OptConfig
 from gemma4opt.patterns import build_patterns
-from gemma4opt.runtime.paged_generate import begin_paged_step, install_paged
+from gemma4opt.runtime.paged_generate import begin_paged_step, install_paged, paged_decode_step
 from gemma4opt.runtime.static_cache import install_static_cache_reuse
 
 SUPPORTED_CLASSES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
@@ -180,9 +181,13 @@ def _make_forward(target, state: OptimizationState):
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        if state.context is not None and state.scope == "causal_lm":   # else the outer forward began it
-            begin_paged_step(state.context, args, kwargs)
         reason = _fallback_reason(target, kwargs)
+        if state.context is not None and state.scope == "causal_lm":   # else the outer forward began it
+            if reason is None and state.decode_forward is not None and _one_token_step(args, kwargs):
+                out = paged_decode_step(state, args, kwargs)
+                if out is not None:
+                    return out
+            begin_paged_step(state.context, args, kwargs)
         if reason is not None:
             if not state.fallbacks[reason]:
                 warnings.warn(f"gemma4opt: {reason}: this call runs HF's unfused forward", stacklevel=2)
@@ -211,6 +216,11 @@ def _cache_of(kwargs):
     return kwargs.get("cache", kwargs.get("past_key_values"))
 
 
+# HF static-cache tensors marked above, while alive: fixed inputs of decode graphs
+# (runtime.decode_graphs), like the model's parameters.
+FIXED_CACHE_TENSORS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
 def _static_cache_ready(kwargs) -> bool:
     """True for a call on an HF static cache that prefill has already allocated.
 
@@ -231,6 +241,7 @@ def _static_cache_ready(kwargs) -> bool:
             t = getattr(layer, attr, None)
             if isinstance(t, torch.Tensor):
                 torch._dynamo.mark_static_address(t)
+                FIXED_CACHE_TENSORS[id(t)] = t
     cache._gemma4opt_static = True
     return True
 

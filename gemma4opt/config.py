@@ -33,6 +33,10 @@ class Gemma4OptConfig:
         sets GEMMA4OPT_PAGED_CUDA=1.
     page_size, max_batch_size, max_seq_len, kv_pool_pages: the paged cache's shape; kv_pool_pages
         (per attention kind) defaults to max_batch_size full-length sequences.
+    decode_buckets: with the paged cache and cuda_graphs, the batch sizes decode graphs are
+        captured for; a batch of B replays the smallest bucket >= B, padded with rows of a dummy
+        sequence whose page is reserved when the pool is created. ``None`` = 1, 2, 4, 8, then
+        steps of 8 up to max_batch_size (which is always a bucket).
     """
 
     patterns: tuple[str, ...] | None = None
@@ -44,6 +48,7 @@ class Gemma4OptConfig:
     max_batch_size: int = 8
     max_seq_len: int = 2048
     kv_pool_pages: int | None = None
+    decode_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.patterns is not None:
@@ -56,6 +61,8 @@ class Gemma4OptConfig:
             raise ValueError(f"Gemma4OptConfig.cache={self.cache!r}; supported: {list(_CACHES)}")
         if self.attention not in _ATTENTION:
             raise ValueError(f"Gemma4OptConfig.attention={self.attention!r}; supported: {list(_ATTENTION)}")
+        if self.decode_buckets is not None and (not self.decode_buckets or min(self.decode_buckets) <= 0):
+            raise ValueError(f"Gemma4OptConfig.decode_buckets={self.decode_buckets!r}: positive batch sizes")
         for name in ("page_size", "max_batch_size", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Gemma4OptConfig.{name} must be positive, got {getattr(self, name)}")
@@ -72,14 +79,13 @@ class Gemma4OptConfig:
         if paged and self.cache == "static":
             raise ValueError("Gemma4OptConfig: cache='static' and attention='paged' exclude each other (the paged "
                              "cache is the KV cache); use cache='auto' with attention='paged'")
-        # The paged cache brings its own KV storage; decode graphs over it are not built yet (they
-        # replay over HF's static cache), so paged steps run compiled but not graphed.
+        # The paged cache brings its own KV storage: HF's cache choice does not apply to it.
         cache = self.cache if self.cache != "auto" else ("static" if on_cuda and not paged else "dynamic")
         inductor = bool(self.inductor)
-        graphs = (on_cuda and cache == "static") if self.cuda_graphs is None else self.cuda_graphs
-        if graphs and paged:
-            raise ValueError("Gemma4OptConfig: cuda_graphs=True with attention='paged' is not supported yet; decode "
-                             "CUDA graphs replay over HF's static cache (attention='hf')")
+        graphs = (on_cuda and (cache == "static" or paged)) if self.cuda_graphs is None else self.cuda_graphs
+        if graphs and paged and inductor:
+            raise ValueError("Gemma4OptConfig: paged decode graphs are gemma4opt's own (runtime/decode_graphs.py); "
+                             "use inductor=False with attention='paged' and cuda_graphs")
         if self.attention == "paged" and on_cuda:
             if os.environ.get("GEMMA4OPT_PAGED_CUDA") != "1":
                 raise ValueError("Gemma4OptConfig.attention='paged' is CPU-only for now: its FlashInfer path "
@@ -92,4 +98,6 @@ class Gemma4OptConfig:
                 raise ValueError(f"Gemma4OptConfig.attention='paged' on CUDA needs FlashInfer: {reason}")
         if graphs and not on_cuda:
             raise ValueError("Gemma4OptConfig.cuda_graphs=True needs a CUDA model; this model is on " + device_type)
-        return dataclasses.replace(self, cache=cache, inductor=inductor, cuda_graphs=graphs)
+        buckets = self.decode_buckets or (1, 2, 4, 8, *range(16, self.max_batch_size + 1, 8))
+        buckets = tuple(sorted({b for b in buckets if b < self.max_batch_size} | {self.max_batch_size}))
+        return dataclasses.replace(self, cache=cache, inductor=inductor, cuda_graphs=graphs, decode_buckets=buckets)

@@ -40,33 +40,55 @@ class KindPlan:
     """One attention kind's FlashInfer wrapper and the geometry it was built for."""
 
     def __init__(self, workspace, num_qo_heads, num_kv_heads, head_dim, page_size, window, dtype, scale=1.0,
-                 last_token_layers=False):
+                 last_token_layers=False, max_pages=0):
         import flashinfer
 
         self.key = next(_keys)
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.page_size, self.window, self.dtype, self.scale = page_size, window, dtype, scale
-        backend = "fa2" if head_dim > 256 else "auto"
+        self.workspace, self.max_pages = workspace, max_pages
+        self.backend = "fa2" if head_dim > 256 else "auto"
+        self._new = flashinfer.BatchPrefillWithPagedKVCacheWrapper
 
         def wrapper():
-            return flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="NHD", backend=backend)
+            return self._new(workspace, kv_layout="NHD", backend=self.backend)
 
         self.wrapper = wrapper()
         # KV-shared layers at prefill: one query (the last token) per sequence over the same pages.
         self.last_wrapper = wrapper() if last_token_layers else None
+        # Decode graphs: one wrapper per batch bucket, its index buffers at fixed addresses (the
+        # graph reads them); plan() before each replay rewrites their contents.
+        self.graph_wrappers: dict[int, object] = {}
+        self.current = self.wrapper
         self.decode = False
         self.planned = False
         _PLANS[self.key] = self
 
+    def _graph_wrapper(self, bucket: int):
+        w = self.graph_wrappers.get(bucket)
+        if w is None:
+            dev = self.workspace.device
+
+            def buf(n):
+                return torch.empty(n, dtype=torch.int32, device=dev)
+
+            w = self.graph_wrappers[bucket] = self._new(
+                self.workspace, kv_layout="NHD", backend=self.backend, use_cuda_graph=True,
+                qo_indptr_buf=buf(bucket + 1), paged_kv_indptr_buf=buf(bucket + 1),
+                paged_kv_indices_buf=buf(self.max_pages), paged_kv_last_page_len_buf=buf(bucket))
+        return w
+
     def plan(self, qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_last_page_len: np.ndarray,
-             kv_indices: torch.Tensor) -> None:
+             kv_indices: torch.Tensor, bucket: int | None = None) -> None:
+        """Plan this step (``bucket``: a graphed decode step of that many rows, padding included)."""
         B = len(kv_last_page_len)
         kv_indptr_t = torch.from_numpy(np.ascontiguousarray(kv_indptr, dtype=np.int32))
         # A copy: the decode fast path advances last_page_len in place next step (pages.py).
         last_t = torch.from_numpy(np.array(kv_last_page_len, dtype=np.int32))
         ones = np.arange(B + 1, dtype=np.int32)
         self.decode = len(qo_indptr) == B + 1 and int(qo_indptr[-1]) == B
-        self._plan(self.wrapper, torch.from_numpy(np.ascontiguousarray(qo_indptr, dtype=np.int32)), kv_indptr_t,
+        self.current = self.wrapper if bucket is None else self._graph_wrapper(bucket)
+        self._plan(self.current, torch.from_numpy(np.ascontiguousarray(qo_indptr, dtype=np.int32)), kv_indptr_t,
                    kv_indices, last_t)
         if self.last_wrapper is not None and not self.decode:
             self._plan(self.last_wrapper, torch.from_numpy(ones), kv_indptr_t, kv_indices, last_t)
@@ -96,10 +118,10 @@ def run_planned(plan_key: int, q: torch.Tensor, kv: torch.Tensor, window: int, s
             raise RuntimeError("gemma4opt.paged_attention: a last-token query at prefill, but this model has no "
                                "KV-shared layers to plan it for")
         return plan.last_wrapper.run(q, kv)
-    return plan.wrapper.run(q, kv)
+    return plan.current.run(q, kv)
 
 
-def build_plans(text_config, page_size: int, device, dtype) -> dict[str, KindPlan]:
+def build_plans(text_config, page_size: int, device, dtype, max_pages: int = 0) -> dict[str, KindPlan]:
     """One plan per attention kind present in the model, sharing one float workspace."""
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     plans = {}
@@ -110,5 +132,6 @@ def build_plans(text_config, page_size: int, device, dtype) -> dict[str, KindPla
         window = text_config.sliding_window if kind == "sliding_attention" else None
         plans[kind] = KindPlan(workspace, text_config.num_attention_heads, lc.num_key_value_heads, lc.head_dim,
                                page_size, window, dtype,
-                               last_token_layers=bool(getattr(text_config, "num_kv_shared_layers", 0)))
+                               last_token_layers=bool(getattr(text_config, "num_kv_shared_layers", 0)),
+                               max_pages=max_pages)
     return plans

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gemma4opt.attention.pages import PagedSequences, PagePool
+from gemma4opt.attention.pages import PagedSequences, PagePool, StepMeta
 from gemma4opt.attention.staging import HostStaging
 
 KINDS = ("sliding_attention", "full_attention")
@@ -51,13 +51,17 @@ class StepContext:
                 lc = cfg.per_layer_config[layer]
                 self.kv[layer] = torch.zeros(n_pages, 2, oc.page_size, lc.num_key_value_heads, lc.head_dim,
                                              device=device, dtype=dtype)
+        # Decode graphs pad a batch to its bucket with rows of a dummy sequence: one page per kind,
+        # taken now, while the pool is empty, so padding never needs a free page later.
+        self.buckets = tuple(oc.decode_buckets or ()) if oc.cuda_graphs else ()
+        self.dummy_page = {k: int(self.seqs[k].pool.alloc(1)[0]) for k in KINDS} if self.buckets else {}
         self.staging = HostStaging(device)
         # CUDA: FlashInfer planned once per step per kind; CPU: the reference reads the metadata.
         self.plans = {}
         if torch.device(device).type == "cuda":
             from gemma4opt.attention.flashinfer import build_plans
 
-            self.plans = build_plans(cfg, oc.page_size, device, dtype)
+            self.plans = build_plans(cfg, oc.page_size, device, dtype, max_pages=n_pages + self.max_batch)
         self.plan_key = {k: (self.plans[k].key if k in self.plans else -1) for k in KINDS}
         self.unused = torch.zeros(0, dtype=torch.int32, device=device)
         self.active = False
@@ -66,8 +70,17 @@ class StepContext:
         self.token_index: torch.Tensor | None = None
         self.new_lens: torch.Tensor | None = None
 
-    def begin_step(self, cache, batch: int, tokens: int, attention_mask) -> None:
-        """Host-side metadata for this forward. Reads the 2-D attention mask at prefill only."""
+    def bucket(self, batch: int) -> int | None:
+        """The smallest decode-graph bucket that holds ``batch`` rows (None: larger than all)."""
+        return next((b for b in self.buckets if b >= batch), None)
+
+    def begin_step(self, cache, batch: int, tokens: int, attention_mask, pad_to: int | None = None) -> None:
+        """Host-side metadata for this forward. Reads the 2-D attention mask at prefill only.
+
+        ``pad_to``: a graphed decode step of ``pad_to`` rows, the last ones padding (dummy
+        sequence). The graph then gets only fixed-shape tensors: with FlashInfer, whose plan holds
+        the page lists, kv_indices stays out of it.
+        """
         decode = cache.rows is not None and tokens == 1
         if cache.rows is None:
             if self.owner is not None and not self.owner.released:
@@ -86,17 +99,39 @@ class StepContext:
         new = real.sum(1)
         token_index = np.flatnonzero(real.reshape(-1))
         host = {kind: self.seqs[kind].step(cache.rows, new, decode) for kind in KINDS}
+        if pad_to is not None:
+            if not decode:
+                raise ValueError("gemma4opt: only decode steps are padded to a graph bucket")
+            host = {kind: self._padded(kind, m, pad_to - batch) for kind, m in host.items()}
+            token_index, new = np.arange(pad_to), np.ones(pad_to, dtype=np.int64)
         fields = FLASHINFER_FIELDS if self.plans else DEVICE_FIELDS
         arrays = {f"{kind}.{f}": getattr(m, f) for kind, m in host.items() for f in fields}
         arrays["token_index"] = token_index
         if not self.plans:
             arrays["new_lens"] = new
         dev = self.staging.stage(arrays)          # one host->device copy for the whole step
-        self.meta = {kind: {f: dev.get(f"{kind}.{f}", self.unused) for f in DEVICE_FIELDS} for kind in KINDS}
+        in_graph = ("slot_mapping",) if pad_to is not None and self.plans else fields
+        self.meta = {kind: {f: dev[f"{kind}.{f}"] if f in in_graph else self.unused for f in DEVICE_FIELDS}
+                     for kind in KINDS}
         self.token_index, self.new_lens = dev["token_index"], dev.get("new_lens", self.unused)
         for kind, plan in self.plans.items():     # once per step per kind, from host arrays
             m = host[kind]
-            plan.plan(m.qo_indptr, m.kv_indptr, m.kv_last_page_len, self.meta[kind]["kv_indices"])
+            plan.plan(m.qo_indptr, m.kv_indptr, m.kv_last_page_len, dev[f"{kind}.kv_indices"], bucket=pad_to)
+
+    def _padded(self, kind: str, m: StepMeta, n: int) -> StepMeta:
+        """``m`` plus ``n`` decode rows of the dummy sequence: one token in the reserved page."""
+        if n == 0:
+            return m
+        page, ps = self.dummy_page[kind], self.page_size
+        ones32 = np.ones(n, dtype=np.int32)
+        return StepMeta(
+            kv_indptr=np.concatenate([m.kv_indptr, m.kv_indptr[-1] + np.cumsum(ones32)]).astype(np.int32),
+            kv_indices=np.concatenate([m.kv_indices, np.full(n, page, dtype=np.int32)]),
+            kv_last_page_len=np.concatenate([m.kv_last_page_len, ones32]),
+            kv_start=np.concatenate([m.kv_start, np.zeros(n, dtype=m.kv_start.dtype)]),
+            qo_indptr=np.arange(len(m.kv_last_page_len) + n + 1, dtype=np.int32),
+            slot_mapping=np.concatenate([m.slot_mapping, np.full(n, page * ps, dtype=np.int64)]),
+            seq_lens=np.concatenate([m.seq_lens, np.ones(n, dtype=m.seq_lens.dtype)]))
 
     def release(self, cache) -> None:
         if cache.rows is not None:

@@ -26,10 +26,10 @@ MAX_GRAPHS = 16     # captures kept per graph (cache objects x shapes); the olde
 
 
 def _is_fixed(x, fixed_ptrs: set[int]) -> bool:
-    if not isinstance(x, torch.Tensor):
-        return False
-    return (isinstance(x, torch.nn.Parameter) or hasattr(x, "_dynamo_static_input_type")
-            or x.data_ptr() in fixed_ptrs)
+    # Not Dynamo's own static marking: it also marks every tensor reached through a module
+    # attribute, such as the paged step's metadata, whose buffers change every step.
+    return isinstance(x, torch.Tensor) and x.numel() > 0 and (
+        isinstance(x, torch.nn.Parameter) or x.data_ptr() in fixed_ptrs)
 
 
 def _is_tensor_node(n) -> bool:
@@ -61,9 +61,9 @@ def _host_slice(gm) -> tuple[fx.GraphModule | None, list[int], set[int]]:
         if n.op != "placeholder" and ("example_value" not in n.meta or _is_tensor_node(n)):
             raise ValueError(f"non-tensor output depends on device work {n.format_node()}")
         stack.extend(a for a in n.all_input_nodes)
-    host_only = set()
+    host_only = set()          # ints only host arithmetic reads, or nothing at all
     for i, p in enumerate(placeholders):
-        if _is_tensor_node(p) or p not in needed:
+        if _is_tensor_node(p):
             continue
         users, stack, seen = [], list(p.users), set()
         while stack:

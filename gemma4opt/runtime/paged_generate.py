@@ -62,3 +62,43 @@ def begin_paged_step(ctx, args, kwargs, replace_mask: bool = True) -> None:
     if replace_mask:
         # Masks are not needed: attention reads page tables. A dict tells Gemma-4 they are prepared.
         kwargs["attention_mask"] = {"full_attention": None, "sliding_attention": None}
+
+
+_BATCH_INPUTS = ("input_ids", "position_ids", "inputs_embeds")
+
+
+def paged_decode_step(state, args, kwargs):
+    """A paged decode step as a CUDA-graph replay of its batch bucket, or None when it is not one.
+
+    The batch of B rows is padded to the smallest bucket >= B (input rows of zeros; page metadata
+    rows of the dummy sequence, see StepContext._padded), the bucket's graph runs, and the logits
+    of the B real rows are returned. A batch larger than every bucket runs uncaptured (counted).
+    """
+    from gemma4opt.attention.cache import PagedCache
+
+    ctx = state.context
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if not isinstance(cache, PagedCache) or cache.rows is None or not ctx.buckets:
+        return None
+    if args:                                   # generate passes keywords; a positional input_ids too
+        kwargs = dict(kwargs, input_ids=args[0])
+    first = next(kwargs[k] for k in _BATCH_INPUTS if kwargs.get(k) is not None)
+    batch = first.shape[0]
+    bucket = ctx.bucket(batch)
+    if bucket is None:
+        state.fallbacks[f"paged decode batch > largest graph bucket {ctx.buckets[-1]} (run uncaptured)"] += 1
+        return None
+    ctx.active = True
+    ctx.begin_step(cache, batch, 1, None, pad_to=bucket)
+    kwargs["attention_mask"] = {"full_attention": None, "sliding_attention": None}
+    for name in _BATCH_INPUTS:
+        t = kwargs.get(name)
+        if t is not None and bucket > batch:
+            padded = t.new_zeros((bucket, *t.shape[1:]))
+            padded[:batch] = t
+            kwargs[name] = padded
+    state.compiled_calls += 1
+    out = state.decode_forward(**kwargs)
+    if bucket > batch:
+        out.logits = out.logits[:batch]
+    return out

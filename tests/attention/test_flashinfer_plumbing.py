@@ -21,8 +21,12 @@ class _StandInWrapper:
 
     plans = 0
 
-    def __init__(self, workspace, kv_layout="NHD", backend="auto"):
+    def __init__(self, workspace, kv_layout="NHD", backend="auto", use_cuda_graph=False, **buffers):
         assert kv_layout == "NHD"
+        if use_cuda_graph:      # graph mode: the four index buffers at fixed addresses
+            assert set(buffers) == {"qo_indptr_buf", "paged_kv_indptr_buf", "paged_kv_indices_buf",
+                                    "paged_kv_last_page_len_buf"}
+        self.graph_buffers = buffers
         self.m = None
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads, num_kv_heads, head_dim,
@@ -32,6 +36,9 @@ class _StandInWrapper:
             assert t.device.type == "cpu" and t.dtype == torch.int32
         assert causal
         _StandInWrapper.plans += 1
+        if self.graph_buffers:  # a graph replays one batch size and at most the buffers' pages
+            assert len(qo_indptr) == len(self.graph_buffers["qo_indptr_buf"])
+            assert len(kv_indices) <= len(self.graph_buffers["paged_kv_indices_buf"])
         self.m = dict(qo=qo_indptr.clone(), indptr=kv_indptr.clone(), indices=kv_indices.clone(),
                       last=kv_last_page_len.clone(), window_left=window_left, scale=sm_scale,
                       dims=(num_qo_heads, num_kv_heads, head_dim), ps=page_size)

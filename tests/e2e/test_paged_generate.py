@@ -90,9 +90,11 @@ def test_paged_conflicts_are_named():
 
     with pytest.raises(ValueError, match="cache='static' and attention='paged'"):
         dataclasses.replace(PAGED, cache="static").resolve("cpu")
-    with pytest.raises(ValueError, match="cuda_graphs=True with attention='paged'"):
-        dataclasses.replace(PAGED, cuda_graphs=True).resolve("cpu")
+    with pytest.raises(ValueError, match="inductor=False with attention='paged'"):
+        dataclasses.replace(PAGED, cuda_graphs=True, inductor=True).resolve("cpu")
     assert PAGED.resolve("cpu").cache == "dynamic"
+    assert PAGED.resolve("cpu").decode_buckets == (1, 2, 4)      # max_batch_size 4 is the last bucket
+    assert dataclasses.replace(PAGED, max_batch_size=40).resolve("cpu").decode_buckets == (1, 2, 4, 8, 16, 24, 32, 40)
 
 
 def test_kv_producers_follow_hf_sharing():

@@ -1,0 +1,77 @@
+"""Paged decode as CUDA graphs over batch buckets, on a CPU: HF generate with batches between
+buckets (padded with the dummy sequence), graphs stood in as in test_decode_graphs and
+FlashInfer as in test_flashinfer_plumbing. Tokens must equal HF eager's."""
+import dataclasses
+import sys
+import types
+
+import torch
+
+import gemma4opt
+from gemma4opt import Gemma4OptConfig
+from gemma4opt.runtime import decode_graphs
+from tests.attention.test_flashinfer_plumbing import _cpu_runs_flashinfer_path, _StandInWrapper
+from tests.e2e.test_paged_generate import _gen
+from tests.models import WINDOW, prompt, tiny
+from tests.runtime.test_decode_graphs import _cpu_capture, _patch, _RecordingCapture
+
+PAGED = Gemma4OptConfig(attention="paged", page_size=4, max_seq_len=96, max_batch_size=4)
+
+
+def _optimize_with_stand_ins(monkeypatch, model, config=PAGED):
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
+        BatchPrefillWithPagedKVCacheWrapper=_StandInWrapper))
+    _patch(monkeypatch)
+    monkeypatch.setattr(decode_graphs._cuda, "graph", _RecordingCapture)
+    monkeypatch.setattr(decode_graphs._cuda, "graph_pool_handle", lambda: None, raising=False)
+    monkeypatch.setattr(decode_graphs.GraphedDecode, "_capture", _cpu_capture)
+    resolve = Gemma4OptConfig.resolve
+    monkeypatch.setattr(Gemma4OptConfig, "resolve", lambda self, device: dataclasses.replace(
+        resolve(self, device), cuda_graphs=True))
+    gemma4opt.optimize(model, config)
+    from gemma4opt.attention.flashinfer import build_plans
+
+    ctx = model._gemma4opt.context
+    pages = ctx.seqs["full_attention"].pool.num_pages
+    ctx.plans = build_plans(model.config, config.page_size, "cpu", torch.float32, max_pages=pages + ctx.max_batch)
+    ctx.plan_key = {k: p.key for k, p in ctx.plans.items()}
+    return ctx
+
+
+def test_batches_between_buckets_replay_padded_graphs(monkeypatch):
+    model = tiny("tiny-ple-shared")
+    cases = []
+    for batch in (1, 3, 4, 2):
+        ids = prompt(batch, WINDOW + 2, seed=batch)
+        mask = torch.ones_like(ids)
+        if batch > 1:
+            mask[1, :3] = 0
+            ids[1, :3] = 0
+        cases.append((ids, mask, _gen(model, ids, new=10, attention_mask=mask)))
+    ctx = _optimize_with_stand_ins(monkeypatch, model)
+    assert ctx.buckets == (1, 2, 4) and set(ctx.dummy_page) == {"sliding_attention", "full_attention"}
+    with _cpu_runs_flashinfer_path():
+        for ids, mask, want in cases * 2:      # twice: the second round replays only
+            assert torch.equal(_gen(model, ids, new=10, attention_mask=mask), want)
+    st = model._gemma4opt
+    rep = gemma4opt.report(model, print_table=False)
+    assert not st.fallbacks, st.fallbacks
+    assert st.graph_captures <= 2 * len(ctx.buckets), str(rep)     # per bucket (and per Dynamo recompile)
+    decode_steps = 2 * 4 * 9
+    assert st.graphed_calls >= decode_steps - st.graph_warmups - st.graph_captures, str(rep)
+    assert all(s.pages_held() == 0 for s in ctx.seqs.values())
+
+
+def test_full_pool_still_pads_and_bigger_batches_run_uncaptured(monkeypatch):
+    model = tiny("tiny")
+    # A pool just big enough for the 4 sequences below: padding must not need a free page.
+    config = dataclasses.replace(PAGED, max_batch_size=4, decode_buckets=(2,), kv_pool_pages=4 * 6 + 1)
+    ids = prompt(3, 12)
+    want = _gen(model, ids, new=8)
+    want1 = _gen(model, ids[:1], new=8)
+    ctx = _optimize_with_stand_ins(monkeypatch, model, config)
+    assert ctx.buckets == (2, 4)
+    with _cpu_runs_flashinfer_path():
+        assert torch.equal(_gen(model, ids, new=8), want)          # bucket 4: one padding row
+        assert torch.equal(_gen(model, ids[:1], new=8), want1)     # bucket 2: one padding row
+    assert model._gemma4opt.graphed_calls > 0 and not model._gemma4opt.fallbacks
