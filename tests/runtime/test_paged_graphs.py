@@ -75,3 +75,21 @@ def test_full_pool_still_pads_and_bigger_batches_run_uncaptured(monkeypatch):
         assert torch.equal(_gen(model, ids, new=8), want)          # bucket 4: one padding row
         assert torch.equal(_gen(model, ids[:1], new=8), want1)     # bucket 2: one padding row
     assert model._gemma4opt.graphed_calls > 0 and not model._gemma4opt.fallbacks
+
+
+def test_warmup_captures_every_bucket_then_generate_only_replays(monkeypatch, capsys):
+    model = tiny("tiny")
+    ids = prompt(3, 12)
+    wants = [(ids[:b], _gen(model, ids[:b], new=8)) for b in (1, 2, 3)]
+    ctx = _optimize_with_stand_ins(monkeypatch, model)
+    with _cpu_runs_flashinfer_path():
+        took = gemma4opt.warmup(model)
+        assert sorted(took) == [1, 2, 4]
+        assert "gemma4opt warm-up [######]" in capsys.readouterr().err
+        st = model._gemma4opt
+        captures, warmups, replays = st.graph_captures, st.graph_warmups, st.graphed_calls
+        assert captures >= len(ctx.buckets)
+        for batch_ids, want in wants:                                     # buckets 1, 2 and 4
+            assert torch.equal(_gen(model, batch_ids, new=8), want)
+    assert (st.graph_captures, st.graph_warmups) == (captures, warmups), "generate captured after warm-up"
+    assert st.graphed_calls == replays + 3 * 7
