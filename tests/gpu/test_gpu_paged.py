@@ -3,6 +3,7 @@
 Needs flashinfer (the [gpu] extra). Paged attention on CUDA is opt-in until these pass on an
 H200 (GEMMA4OPT_PAGED_CUDA=1, set here).
 """
+import dataclasses
 import os
 
 import numpy as np
@@ -97,3 +98,33 @@ def test_decode_steps_do_not_sync():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     cache.release()
+
+
+def test_bucket_graphs_with_a_full_pool_equal_the_unpadded_run():
+    """Issue 5's check: every batch size between the buckets, lengths crossing the sliding window,
+    the pool filled to capacity: zero uncaptured steps, tokens equal the ungraphed paged run."""
+    pytest.importorskip("flashinfer")
+    import copy
+
+    from gemma4opt.presets import build_model
+
+    base = build_model("tiny", device="cuda")
+    window = base.config.sliding_window
+    cfg = gemma4opt.Gemma4OptConfig(attention="paged", page_size=4, max_batch_size=6, max_seq_len=96,
+                                    decode_buckets=(1, 2, 4), kv_pool_pages=6 * 24 + 1)
+    graphed, plain = copy.deepcopy(base), copy.deepcopy(base)
+    gemma4opt.optimize(graphed, cfg)
+    gemma4opt.optimize(plain, dataclasses.replace(cfg, cuda_graphs=False))
+    gemma4opt.warmup(graphed)
+    for batch in range(1, 7):
+        g = torch.Generator().manual_seed(batch)
+        lens = torch.randint(window - 3, window + 20, (batch,), generator=g)
+        ids = torch.randint(3, 100, (batch, int(lens.max())), generator=g).cuda()
+        mask = (torch.arange(ids.shape[1])[None] >= (lens.max() - lens)[:, None]).long().cuda()
+        ids = ids * mask
+        new = 96 - ids.shape[1] if batch == 6 else 24          # batch 6 runs the pool to its last page
+        want = _gen(plain, ids, mask, new)
+        assert torch.equal(_gen(graphed, ids, mask, new), want), batch
+    st = graphed._gemma4opt
+    assert not st.fallbacks, st.fallbacks
+    assert st.graphed_calls > 0
