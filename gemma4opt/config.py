@@ -21,9 +21,10 @@ class Gemma4OptConfig:
         bit), and CUDA decode steps replay it as gemma4opt's own CUDA graphs (runtime.decode_graphs):
         seconds to compile. ``True``: Inductor lowers the rest (with cuda_graphs, decode only, as
         cudagraph trees); measured on an H200, a 12-layer 31b took over 6 minutes to compile.
-    cuda_graphs: replay decode steps as CUDA graphs over HF's static cache (gemma4opt's runner,
-        or Inductor's cudagraph trees with ``inductor=True``). ``None`` = on when on CUDA with a
-        static cache. Not with attention="paged" yet.
+    cuda_graphs: replay decode steps as CUDA graphs: over HF's static cache (gemma4opt's runner,
+        or Inductor's cudagraph trees with ``inductor=True``), or over the paged cache per batch
+        bucket (gemma4opt's runner; see decode_buckets). ``None`` = on when on CUDA with a static
+        or paged cache.
     cache: KV cache ``generate`` uses when the caller passes none. "auto" = "static" on CUDA
         (fixed shapes: one decode graph, no recompiles), "dynamic" on CPU.
     attention: "hf" keeps HF's attention over HF's cache. "paged" gives generate a paged KV cache
