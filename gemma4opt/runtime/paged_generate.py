@@ -82,7 +82,9 @@ def paged_decode_step(state, args, kwargs):
         return None
     if args:                                   # generate passes keywords; a positional input_ids too
         kwargs = dict(kwargs, input_ids=args[0])
-    first = next(kwargs[k] for k in _BATCH_INPUTS if kwargs.get(k) is not None)
+    first = next((kwargs[k] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None), None)
+    if first is None:
+        return None
     batch = first.shape[0]
     bucket = ctx.bucket(batch)
     if bucket is None:
