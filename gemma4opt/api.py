@@ -6,7 +6,6 @@ import functools
 import itertools
 import types
 import warnings
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +16,7 @@ from gemma4opt.compiler.pass_manager import PassManager, PatternStats
 from gemma4opt.compiler.pattern import PassContext
 from gemma4opt.config import Gemma4OptConfig
 from gemma4opt.patterns import build_patterns
+from gemma4opt.runtime.decode_graphs import mark_fixed
 from gemma4opt.runtime.paged_generate import begin_paged_step, install_paged, paged_decode_step
 from gemma4opt.runtime.static_cache import install_static_cache_reuse
 
@@ -216,11 +216,6 @@ def _cache_of(kwargs):
     return kwargs.get("cache", kwargs.get("past_key_values"))
 
 
-# HF static-cache tensors marked above, while alive: fixed inputs of decode graphs
-# (runtime.decode_graphs), like the model's parameters.
-FIXED_CACHE_TENSORS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
-
-
 def _static_cache_ready(kwargs) -> bool:
     """True for a call on an HF static cache that prefill has already allocated.
 
@@ -240,8 +235,8 @@ def _static_cache_ready(kwargs) -> bool:
         for attr in ("keys", "values", "cumulative_length"):
             t = getattr(layer, attr, None)
             if isinstance(t, torch.Tensor):
-                torch._dynamo.mark_static_address(t)
-                FIXED_CACHE_TENSORS[id(t)] = t
+                torch._dynamo.mark_static_address(t)    # for Inductor's cudagraph trees
+                mark_fixed(t)                            # for gemma4opt's decode graphs
     cache._gemma4opt_static = True
     return True
 

@@ -23,14 +23,9 @@ def make_backend(state, lower: bool, cuda_graphs: bool = False, root: torch.nn.M
         if cuda_graphs and not lower:
             # The rewritten graph as captured, replayed as CUDA graphs without Inductor's codegen:
             # the fused ops already cover the memory-bound work.
-            from gemma4opt.runtime.decode_graphs import graphed_decode_backend
+            from gemma4opt.runtime.decode_graphs import graphed_decode
 
-            from gemma4opt.api import FIXED_CACHE_TENSORS
-
-            fixed = {t.data_ptr() for t in (*root.parameters(), *root.buffers(), *FIXED_CACHE_TENSORS.values())}
-            if state.context is not None:              # the paged KV pool and its fixed placeholders
-                fixed |= {t.data_ptr() for t in state.context.kv.values()} | {state.context.unused.data_ptr()}
-            return graphed_decode_backend(state, fixed)(gm, example_inputs)
+            return graphed_decode(state, root, gm, example_inputs)
         if not lower:
             return gm.forward
         from torch._inductor.compile_fx import compile_fx

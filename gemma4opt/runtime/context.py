@@ -12,6 +12,7 @@ import torch
 
 from gemma4opt.attention.pages import PagedSequences, PagePool, StepMeta
 from gemma4opt.attention.staging import HostStaging
+from gemma4opt.runtime.decode_graphs import mark_fixed
 
 KINDS = ("sliding_attention", "full_attention")
 # Per-kind page metadata the attention ops read on the device: all of it for the reference
@@ -51,6 +52,7 @@ class StepContext:
                 lc = cfg.per_layer_config[layer]
                 self.kv[layer] = torch.zeros(n_pages, 2, oc.page_size, lc.num_key_value_heads, lc.head_dim,
                                              device=device, dtype=dtype)
+                mark_fixed(self.kv[layer])       # decode graphs bake the pool's address
         # Decode graphs pad a batch to its bucket with rows of a dummy sequence: one page per kind,
         # taken now, while the pool is empty, so padding never needs a free page later.
         self.buckets = tuple(oc.decode_buckets or ()) if oc.cuda_graphs else ()

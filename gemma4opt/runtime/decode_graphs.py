@@ -16,6 +16,7 @@ Inductor avoids both but compiles a real-size Gemma-4 for many minutes.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 import torch.fx as fx
@@ -23,6 +24,19 @@ import torch.fx as fx
 _cuda = torch.cuda      # one name for the CUDA calls below (the CPU tests stand them in)
 WARMUP_CALLS = 1
 MAX_GRAPHS = 16     # captures kept per graph (cache objects x shapes); the oldest is dropped past it
+
+
+# Tensors besides the model's parameters and buffers that keep their address for as long as they
+# live (HF's static cache once allocated, the paged KV pool): decode graphs may bake them.
+_FIXED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def mark_fixed(t: torch.Tensor) -> None:
+    _FIXED[id(t)] = t
+
+
+def _fixed_ptrs(root: torch.nn.Module) -> set[int]:
+    return {t.data_ptr() for t in (*root.parameters(), *root.buffers(), *_FIXED.values())}
 
 
 def _is_fixed(x, fixed_ptrs: set[int]) -> bool:
@@ -169,12 +183,8 @@ class GraphedDecode:
         return _Captured(graph, {i: inputs[i] for i in self.moving}, outputs)
 
 
-def graphed_decode_backend(state, fixed_ptrs: set[int]):
-    """A Dynamo-backend tail: wrap a rewritten decode graph in GraphedDecode (one pool per model)."""
-    if getattr(state, "graph_pool", None) is None:
+def graphed_decode(state, root: torch.nn.Module, gm, example_inputs) -> GraphedDecode:
+    """The backend's tail for a rewritten decode graph (one graph memory pool per model)."""
+    if state.graph_pool is None:
         state.graph_pool = _cuda.graph_pool_handle()
-
-    def compile_graph(gm, example_inputs):
-        return GraphedDecode(gm, example_inputs, state, fixed_ptrs, state.graph_pool)
-
-    return compile_graph
+    return GraphedDecode(gm, example_inputs, state, _fixed_ptrs(root), state.graph_pool)

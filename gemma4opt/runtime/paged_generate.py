@@ -60,8 +60,12 @@ def begin_paged_step(ctx, args, kwargs, replace_mask: bool = True) -> None:
         ids = kwargs["inputs_embeds"]
     ctx.begin_step(cache, ids.shape[0], ids.shape[1], kwargs.get("attention_mask"))
     if replace_mask:
-        # Masks are not needed: attention reads page tables. A dict tells Gemma-4 they are prepared.
-        kwargs["attention_mask"] = {"full_attention": None, "sliding_attention": None}
+        kwargs["attention_mask"] = _no_masks()
+
+
+def _no_masks() -> dict:
+    """Masks are not needed: attention reads page tables. A dict tells Gemma-4 they are prepared."""
+    return {"full_attention": None, "sliding_attention": None}
 
 
 _BATCH_INPUTS = ("input_ids", "position_ids", "inputs_embeds")
@@ -92,7 +96,7 @@ def paged_decode_step(state, args, kwargs):
         return None
     ctx.active = True
     ctx.begin_step(cache, batch, 1, None, pad_to=bucket)
-    kwargs["attention_mask"] = {"full_attention": None, "sliding_attention": None}
+    kwargs["attention_mask"] = _no_masks()
     for name in _BATCH_INPUTS:
         t = kwargs.get(name)
         if t is not None and bucket > batch:

@@ -24,7 +24,7 @@ def install_static_cache_reuse(model, state) -> None:
         length = max(max_cache_len, getattr(model, "_previous_max_cache_length", -1))
         key = (cache_implementation, batch_size, length)
         kept = state.static_cache
-        if kept is not None and kept[0] == key and not model.config.is_encoder_decoder:
+        if kept is not None and kept[0] == key:
             kept[1].reset()
             return kept[1]
         state.static_cache = None   # drop the old one before allocating its successor
