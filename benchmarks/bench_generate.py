@@ -121,9 +121,6 @@ def main(argv=None):
             print(f"{b:>5} {system:>18} {warm:>9.1f} {ttft:>9.1f} {ms:>9.2f} {row['tok_s']:>9.1f} {row['roofline_frac']:>8.0%} "
                   f"{vs_e:>8.2f}x {vs_s:>8.2f}x {same}   (roofline {roof[b]:.2f} ms)", flush=True)
             rows.append(row)
-            if args.json:
-                with open(args.json, "a") as f:
-                    f.write(json.dumps(row) + "\n")
         if system in GEMMA4OPT_SYSTEMS:
             gemma4opt.report(sys_model)
             del sys_model
@@ -131,6 +128,12 @@ def main(argv=None):
         if "eager" in res:
             same = {s: torch.equal(r["out"], res["eager"]["out"]) for s, r in res.items() if s != "eager"}
             print(f"# batch {b}: greedy tokens equal HF eager: {same}")
+            for row in rows:
+                if row["batch"] == b and row["system"] in same:
+                    row["tokens_equal_eager"] = same[row["system"]]
+    if args.json:
+        with open(args.json, "a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
     return rows
 
 

@@ -37,7 +37,7 @@ for s in "$@"; do
     plan) stage plan 120 python3 benchmarks/bench_plan.py --device cuda ;;
     kernels) stage kernels 240 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" ;;
     realdims) stage realdims 200 $PYTEST -s tests/gpu/test_gpu_generate.py -k "real_dims" ;;
-    profile) stage profile 150 python3 benchmarks/profile_decode.py --preset 31b --layers 4 --new 16 ;;
+    profile) stage profile 150 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 ;;
     *) echo "unknown stage $s" ;;
   esac
 done

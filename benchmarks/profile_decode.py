@@ -38,6 +38,11 @@ def main(argv=None):
     torch.cuda.synchronize()
     print(f"warm-up (compile) {time.perf_counter() - t:.1f} s", flush=True)
     gen()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    gen()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t) * 1e3
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         gen()
@@ -45,6 +50,11 @@ def main(argv=None):
     st = model._gemma4opt
     print(f"decode graphs: warm-ups {st.graph_warmups}, captures {st.graph_captures}, replays {st.graphed_calls}, "
           f"graphs compiled {st.graphs_compiled}, compiled calls {st.compiled_calls}")
+    avgs = prof.key_averages()
+    # Device time summed over ops with no device-side children double counted: self time only.
+    dev_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in avgs)
+    print(f"one generate: wall {wall_ms:.1f} ms = {wall_ms / args.new:.2f} ms per token (incl. prefill); "
+          f"device busy {dev_us / 1e3:.1f} ms = {dev_us / 1e3 / args.new:.2f} ms per token under the profiler")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=70))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from gemma4opt.compiler.constants import hoist_tensor_literals
 from gemma4opt.compiler.pass_manager import PassManager
 
 
@@ -20,6 +21,8 @@ def make_backend(state, lower: bool, cuda_graphs: bool = False, root: torch.nn.M
         index = state.graphs_compiled
         state.graphs_compiled += 1
         state.pass_manager.run(gm, index)
+        if not lower:       # Inductor folds these itself
+            hoist_tensor_literals(gm)
         if cuda_graphs and not lower:
             # The rewritten graph as captured, replayed as CUDA graphs without Inductor's codegen:
             # the fused ops already cover the memory-bound work.
