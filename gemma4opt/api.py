@@ -19,6 +19,7 @@ from gemma4opt.patterns import build_patterns
 from gemma4opt.runtime.decode_graphs import mark_fixed
 from gemma4opt.runtime.paged_generate import begin_paged_step, install_paged, paged_decode_step
 from gemma4opt.runtime.static_cache import install_static_cache_reuse
+from gemma4opt.runtime.stop_check import install_deferred_stop_check
 
 SUPPORTED_CLASSES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -58,6 +59,7 @@ class OptimizationState:
     graph_captures: int = 0
     static_cache: object = None         # (key, cache) reused by generate (runtime/static_cache.py)
     graph_pool: object = None           # CUDA graph memory pool shared by this model's decode graphs
+    stop_check: str = "per step (HF)"   # how generate checks for the end (runtime/stop_check.py)
 
 
 def _check_model(model) -> torch.nn.Module:
@@ -159,6 +161,8 @@ def optimize(model, config: Gemma4OptConfig | None = None):
             gen.cache_implementation = "static"
     if cfg.cuda_graphs:
         install_static_cache_reuse(model, state)
+    if cfg.deferred_stop:
+        state.stop_check = install_deferred_stop_check(model)
     return model
 
 

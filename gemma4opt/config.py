@@ -34,6 +34,10 @@ class Gemma4OptConfig:
         sets GEMMA4OPT_PAGED_CUDA=1.
     page_size, max_batch_size, max_seq_len, kv_pool_pages: the paged cache's shape; kv_pool_pages
         (per attention kind) defaults to max_batch_size full-length sequences.
+    deferred_stop: let HF generate read its stop flag one step late (transformers'
+        DeferredStopCheck, which HF enables on "mps" only), so the host queues the next decode step
+        while the GPU runs this one; the one extra step it may run is undone by HF. ``None`` = on
+        when on CUDA; off on CPU (no device to overlap with). See runtime/stop_check.py.
     decode_buckets: with the paged cache and cuda_graphs, the batch sizes decode graphs are
         captured for; a batch of B replays the smallest bucket >= B, padded with rows of a dummy
         sequence whose page is reserved when the pool is created. ``None`` = 1, 2, 4, 8, then
@@ -50,6 +54,7 @@ class Gemma4OptConfig:
     max_seq_len: int = 2048
     kv_pool_pages: int | None = None
     decode_buckets: tuple[int, ...] | None = None
+    deferred_stop: bool | None = None
 
     def __post_init__(self):
         if self.patterns is not None:
@@ -101,4 +106,6 @@ class Gemma4OptConfig:
             raise ValueError("Gemma4OptConfig.cuda_graphs=True needs a CUDA model; this model is on " + device_type)
         buckets = self.decode_buckets or (1, 2, 4, 8, *range(16, self.max_batch_size + 1, 8))
         buckets = tuple(sorted({b for b in buckets if b < self.max_batch_size} | {self.max_batch_size}))
-        return dataclasses.replace(self, cache=cache, inductor=inductor, cuda_graphs=graphs, decode_buckets=buckets)
+        deferred = on_cuda if self.deferred_stop is None else self.deferred_stop
+        return dataclasses.replace(self, cache=cache, inductor=inductor, cuda_graphs=graphs, decode_buckets=buckets,
+                                   deferred_stop=deferred)

@@ -32,7 +32,8 @@ class Report:
     rows: list[PatternRow] = field(default_factory=list)
     attention: str = "hf"
     graph_captures: int = 0     # decode CUDA graphs captured by gemma4opt's runner, and the eager
-    graph_warmups: int = 0      # steps that preceded them (a new graph or a new cache)       # "hf", or a summary of the paged KV pool
+    graph_warmups: int = 0      # steps that preceded them (a new graph or a new cache)
+    stop_check: str = "per step (HF)"
 
     def row(self, pattern: str) -> PatternRow:
         return next(r for r in self.rows if r.pattern == pattern)
@@ -45,6 +46,7 @@ class Report:
                      f"(as CUDA graph replays: {self.graphed_calls}; captures {self.graph_captures}, "
                      f"warm-up steps {self.graph_warmups})")
         lines.append(f"  attention: {self.attention}")
+        lines.append(f"  generate stop check: {self.stop_check}")
         if self.fallbacks:
             lines.append("  fallbacks (calls): " + ", ".join(f"{k}: {v}" for k, v in self.fallbacks.items()))
         if self.rows:
@@ -79,7 +81,7 @@ def build_report(model) -> Report:
                      f"gemma4opt.paged_attention)")
     return Report(state.model_class, state.scope, state.disabled_reason, state.graphs_compiled,
                   state.compiled_calls, state.graphed_calls, dict(state.fallbacks), rows, attention,
-                  state.graph_captures, state.graph_warmups)
+                  state.graph_captures, state.graph_warmups, state.stop_check)
 
 
 def report(model, print_table: bool = True) -> Report:

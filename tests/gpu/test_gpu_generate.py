@@ -77,3 +77,37 @@ def test_graphed_decode_steps_do_not_sync():
             steps.append(nxt)
     rep = gemma4opt.report(model, print_table=False)
     assert rep.graphed_calls >= 8, str(rep)
+
+
+def test_deferred_stop_check_equals_eager_when_eos_stops_early():
+    """With HF's stop check read one step late, an eos that ends every row early still gives
+    eager's ids, length included (HF undoes the extra step), and streams the same tokens."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.got = []
+
+        def put(self, value):
+            self.got.append(value.flatten().tolist())
+
+        def end(self):
+            pass
+
+    model = build_model("tiny", device="cuda")
+    ids = prompt(1, 12).cuda()
+    free = _gen(model, ids, 24)
+    eos = int(free[0, 12 + 9])                       # a token eager emits at step 10
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, eos_token_id=eos,
+              pad_token_id=0)
+    with torch.no_grad():
+        want_stream = Collect()
+        want = model.generate(ids, streamer=want_stream, **kw)
+        gemma4opt.optimize(model)
+        assert "deferred" in gemma4opt.report(model, print_table=False).stop_check
+        for _ in range(2):
+            got_stream = Collect()
+            got = model.generate(ids, streamer=got_stream, **kw)
+            assert torch.equal(got, want) and got.shape[1] < 12 + 24
+            assert got_stream.got == want_stream.got
+        assert torch.equal(_gen(model, ids, 24), free)   # and max_new_tokens still stops exactly
