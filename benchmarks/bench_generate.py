@@ -63,7 +63,7 @@ def measure(model, ids, new, device, repeats, **kw):
 
 # gemma4opt variants: the default, and decode graphs lowered by Inductor or replayed as captured.
 GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-inductor": dict(inductor=True),
-                     "gemma4opt-captured": dict(inductor=False)}
+                     "gemma4opt-captured": dict(inductor=False), "gemma4opt-paged": dict(attention="paged")}
 
 
 def main(argv=None):
@@ -107,7 +107,10 @@ def main(argv=None):
         if system in GEMMA4OPT_SYSTEMS:
             # optimize() changes the instance: when other systems still follow, optimize a copy.
             sys_model = model if i == len(args.systems) - 1 else copy.deepcopy(model)
-            gemma4opt.optimize(sys_model, gemma4opt.Gemma4OptConfig(**GEMMA4OPT_SYSTEMS[system]))
+            opts = dict(GEMMA4OPT_SYSTEMS[system])
+            if opts.get("attention") == "paged":     # a pool for exactly this run's batches and lengths
+                opts.update(max_batch_size=max(args.batch), max_seq_len=args.prompt + args.new + 16)
+            gemma4opt.optimize(sys_model, gemma4opt.Gemma4OptConfig(**opts))
         for b in args.batch:
             ttft, ms, out, warm = measure(sys_model, prompts[b], args.new, args.device, args.repeats, **kw)
             res = results[b]

@@ -51,6 +51,8 @@ def main(argv=None):
     ap.add_argument("--aligned", action="store_true",
                     help="every sequence at the same length (page crossings all on one step); default: lengths "
                          "uniform in [context/2, context], so some sequence crosses a page almost every step")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile the plan() calls of the last batch size (where host time goes)")
     args = ap.parse_args(argv)
     ps = args.page_size
     plans = _plans(args, args.device)
@@ -60,6 +62,11 @@ def main(argv=None):
           f"staged for {staged}, "
           f"page size {ps}, window {args.window}, {args.device}; µs per decode step "
           "(host, both kinds; median over steps, mean in brackets)")
+    prof = None
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
     print(f"{'batch':>6} {'metadata':>14} {'+ staging':>14} {'+ plan':>14} {'naive plan':>14}")
     for b in args.batch:
         pages = b * (-(-(args.context + args.steps + 8) // ps) + 1)
@@ -82,8 +89,12 @@ def main(argv=None):
             dev = staging.stage(arrays)
             t2 = time.perf_counter()
             if plans:
+                if prof is not None and b == args.batch[-1]:
+                    prof.enable()
                 for i, (m, p) in enumerate(zip(metas, plans)):
                     p.plan(m.qo_indptr, m.kv_indptr, m.kv_last_page_len, dev[f"{i}.kv_indices"])
+                if prof is not None:
+                    prof.disable()
             t3 = time.perf_counter()
             if plans:
                 for i, (m, p) in enumerate(zip(metas, plans)):
@@ -98,6 +109,11 @@ def main(argv=None):
         cells = [f"{np.median(t[k]) * 1e6:7.1f} ({np.mean(t[k]) * 1e6:5.0f})" if plans or k in ("meta", "staged")
                  else f"{'-':>14}" for k in t]
         print(f"{b:>6} " + " ".join(f"{c:>14}" for c in cells), flush=True)
+    if prof is not None and plans:
+        import pstats
+
+        print(f"# cProfile of plan() at batch {args.batch[-1]}, {args.steps} steps")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
 if __name__ == "__main__":

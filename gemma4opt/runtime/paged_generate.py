@@ -5,6 +5,14 @@ from __future__ import annotations
 import functools
 import inspect
 
+import torch
+
+
+def check_paged_dtype(device, dtype) -> None:
+    if device.type == "cuda" and dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"Gemma4OptConfig.attention='paged' on CUDA runs FlashInfer, which supports float16 and "
+                         f"bfloat16; this model is {dtype}: cast it (model.to(torch.bfloat16)) or use attention='hf'")
+
 
 def install_paged(model, target, state, device, dtype) -> None:
     """Paged attention for this instance: KV pool, attention function, and a generate that brings the cache."""

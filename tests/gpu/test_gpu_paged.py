@@ -81,7 +81,7 @@ def test_decode_steps_do_not_sync():
     from gemma4opt.attention.cache import PagedCache
     from gemma4opt.presets import build_model
 
-    model = build_model("tiny", device="cuda")
+    model = build_model("tiny", dtype=torch.bfloat16, device="cuda")      # FlashInfer: 16-bit only
     gemma4opt.optimize(model, gemma4opt.Gemma4OptConfig(attention="paged", max_batch_size=4, max_seq_len=256))
     ctx = model._gemma4opt.context
     ids = torch.randint(3, 100, (4, 20), device="cuda")
@@ -108,7 +108,7 @@ def test_bucket_graphs_with_a_full_pool_equal_the_unpadded_run():
 
     from gemma4opt.presets import build_model
 
-    base = build_model("tiny", device="cuda")
+    base = build_model("tiny", dtype=torch.bfloat16, device="cuda")
     window = base.config.sliding_window
     cfg = gemma4opt.Gemma4OptConfig(attention="paged", page_size=4, max_batch_size=6, max_seq_len=96,
                                     decode_buckets=(1, 2, 4), kv_pool_pages=6 * 24 + 1)
@@ -128,3 +128,12 @@ def test_bucket_graphs_with_a_full_pool_equal_the_unpadded_run():
     st = graphed._gemma4opt
     assert not st.fallbacks, st.fallbacks
     assert st.graphed_calls > 0
+
+
+def test_float32_model_is_refused_with_the_dtypes_flashinfer_supports():
+    from gemma4opt.presets import build_model
+
+    model = build_model("tiny", device="cuda")
+    with pytest.raises(ValueError, match="float16 and bfloat16"):
+        gemma4opt.optimize(model, gemma4opt.Gemma4OptConfig(attention="paged"))
+    assert getattr(model, "_gemma4opt", None) is None          # refused before anything changed
