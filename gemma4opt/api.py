@@ -17,7 +17,7 @@ from gemma4opt.compiler.pattern import PassContext
 from gemma4opt.config import Gemma4OptConfig
 from gemma4opt.patterns import build_patterns
 from gemma4opt.runtime.decode_graphs import mark_fixed
-from gemma4opt.runtime.paged_generate import begin_paged_step, check_paged_dtype, install_paged, paged_decode_step
+from gemma4opt.runtime.paged_generate import begin_paged_step, check_paged_supported, install_paged, paged_decode_step
 from gemma4opt.runtime.static_cache import install_static_cache_reuse
 from gemma4opt.runtime.stop_check import install_deferred_stop_check
 
@@ -60,6 +60,7 @@ class OptimizationState:
     static_cache: object = None         # (key, cache) reused by generate (runtime/static_cache.py)
     graph_pool: object = None           # CUDA graph memory pool shared by this model's decode graphs
     stop_check: str = "per step (HF)"   # how generate checks for the end (runtime/stop_check.py)
+    graph_key_changes: collections.Counter = field(default_factory=collections.Counter)  # why steps missed graphs
 
 
 def _check_model(model) -> torch.nn.Module:
@@ -116,9 +117,9 @@ def optimize(model, config: Gemma4OptConfig | None = None):
         raise TypeError(f"gemma4opt.optimize: config must be a Gemma4OptConfig, got {type(config).__name__}")
     device = next(model.parameters()).device
     cfg = config.resolve(device.type)
-    if cfg.attention == "paged":
-        check_paged_dtype(device, next(model.parameters()).dtype)
     text_config = model.config.get_text_config()
+    if cfg.attention == "paged":
+        check_paged_supported(device, next(model.parameters()).dtype, text_config)
     scope = "causal_lm" if target is model else "text_model"
     state = OptimizationState(cfg, type(model).__name__, scope, text_config)
     model._gemma4opt = state

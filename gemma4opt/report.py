@@ -34,6 +34,7 @@ class Report:
     graph_captures: int = 0     # decode CUDA graphs captured by gemma4opt's runner, and the eager
     graph_warmups: int = 0      # steps that preceded them (a new graph or a new cache)
     stop_check: str = "per step (HF)"
+    graph_key_changes: dict[str, int] = field(default_factory=dict)
 
     def row(self, pattern: str) -> PatternRow:
         return next(r for r in self.rows if r.pattern == pattern)
@@ -45,6 +46,9 @@ class Report:
         lines.append(f"  graphs compiled: {self.graphs_compiled}   compiled calls: {self.compiled_calls} "
                      f"(as CUDA graph replays: {self.graphed_calls}; captures {self.graph_captures}, "
                      f"warm-up steps {self.graph_warmups})")
+        if self.graph_key_changes:
+            lines.append("  decode steps that missed a captured graph, by input: " + ", ".join(
+                f"{k}: {v}" for k, v in sorted(self.graph_key_changes.items(), key=lambda kv: -kv[1])))
         lines.append(f"  attention: {self.attention}")
         lines.append(f"  generate stop check: {self.stop_check}")
         if self.fallbacks:
@@ -81,7 +85,7 @@ def build_report(model) -> Report:
                      f"gemma4opt.paged_attention)")
     return Report(state.model_class, state.scope, state.disabled_reason, state.graphs_compiled,
                   state.compiled_calls, state.graphed_calls, dict(state.fallbacks), rows, attention,
-                  state.graph_captures, state.graph_warmups, state.stop_check)
+                  state.graph_captures, state.graph_warmups, state.stop_check, dict(state.graph_key_changes))
 
 
 def report(model, print_table: bool = True) -> Report:

@@ -12,8 +12,10 @@ Registered under an int key so the custom op (which takes no Python objects) can
 
 FlashInfer's plan() stages its schedule in a pinned buffer per wrapper and copies it to the GPU
 asynchronously; a plan() of the next step must not overwrite that buffer before the copy ran.
-HF generate's per-step stop check keeps the host from running a step ahead; a caller that
-drives decode steps without any sync must bound how far the host runs ahead (issue 5's runtime).
+With the paged cache, HF generate keeps its per-step stop check (the cache is passed in, so
+HF's deferred check would need it croppable; runtime/stop_check.py), which keeps the host from
+running a step ahead; a caller that drives decode steps without any sync must bound how far the
+host runs ahead.
 """
 from __future__ import annotations
 
@@ -82,23 +84,30 @@ class KindPlan:
              kv_indices: torch.Tensor, bucket: int | None = None) -> None:
         """Plan this step (``bucket``: a graphed decode step of that many rows, padding included)."""
         B = len(kv_last_page_len)
-        kv_indptr_t = torch.from_numpy(np.ascontiguousarray(kv_indptr, dtype=np.int32))
+        kv_indptr = np.ascontiguousarray(kv_indptr, dtype=np.int32)
         # A copy: the decode fast path advances last_page_len in place next step (pages.py).
-        last_t = torch.from_numpy(np.array(kv_last_page_len, dtype=np.int32))
-        ones = np.arange(B + 1, dtype=np.int32)
+        last = np.array(kv_last_page_len, dtype=np.int32)
+        qo_indptr = np.ascontiguousarray(qo_indptr, dtype=np.int32)
         self.decode = len(qo_indptr) == B + 1 and int(qo_indptr[-1]) == B
+        # What FlashInfer's plan() would derive from the tensors element by element in Python
+        # (a builtin max over a tensor, get_seq_lens): given from numpy instead.
+        live = np.diff(kv_indptr)
+        kv_lens = np.where(live > 0, (live - 1) * self.page_size + last, 0).astype(np.int32)
+        max_q = 1 if self.decode else int(np.diff(qo_indptr).max(initial=1))
+        host = [torch.from_numpy(a) for a in (qo_indptr, kv_indptr, last, kv_lens)]
         self.current = self.wrapper if bucket is None else self._graph_wrapper(bucket)
-        self._plan(self.current, torch.from_numpy(np.ascontiguousarray(qo_indptr, dtype=np.int32)), kv_indptr_t,
-                   kv_indices, last_t)
+        self._plan(self.current, host[0], host[1], kv_indices, host[2], host[3], max_q)
         if self.last_wrapper is not None and not self.decode:
-            self._plan(self.last_wrapper, torch.from_numpy(ones), kv_indptr_t, kv_indices, last_t)
+            ones = torch.from_numpy(np.arange(B + 1, dtype=np.int32))
+            self._plan(self.last_wrapper, ones, host[1], kv_indices, host[2], host[3], 1)
         self.planned = True
 
-    def _plan(self, wrapper, qo_indptr, kv_indptr, kv_indices, kv_last_page_len) -> None:
+    def _plan(self, wrapper, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_lens, max_q) -> None:
         h, kvh, d = self.heads
         wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, h, kvh, d, self.page_size, causal=True,
                      window_left=(self.window - 1) if self.window else -1, sm_scale=self.scale,
-                     q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True)
+                     q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True,
+                     seq_lens=kv_lens, max_token_per_sequence=max_q)
 
     def release(self) -> None:
         _PLANS.pop(self.key, None)

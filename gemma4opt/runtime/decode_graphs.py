@@ -128,6 +128,7 @@ class GraphedDecode:
         self.pool = pool
         self.graphs: dict[tuple, _Captured] = {}
         self.seen: dict[tuple, int] = {}
+        self.last_key: tuple | None = None
 
     def _key(self, args) -> tuple:
         return (tuple(args[i].data_ptr() for i in self.fixed),
@@ -142,6 +143,9 @@ class GraphedDecode:
             return self.gm(*args)
         key = self._key(args)
         cap = self.graphs.get(key)
+        if cap is None and self.last_key is not None:
+            self._note_key_change(self.last_key, key)
+        self.last_key = key
         if cap is None:
             n = self.seen.get(key, 0)
             if len(self.seen) > 4 * MAX_GRAPHS:
@@ -165,6 +169,15 @@ class GraphedDecode:
         for pos, value in zip(self.host_pos, self.host(*args)):
             outputs[pos] = value
         return tuple(outputs)
+
+    def _note_key_change(self, old: tuple, new: tuple) -> None:
+        """Count which input made a step miss the captured graphs (the report lists them): a
+        fixed input at a new address (a new cache), a moving input of a new shape, or a new int."""
+        what = ("address of fixed input", "shape of input", "value of int input")
+        for kind, idx, a, b in zip(what, (self.fixed, self.moving, self.others), old, new):
+            for i, x, y in zip(idx, a, b):
+                if x != y:
+                    self.state.graph_key_changes[f"{kind} {i}"] += 1
 
     def _warmup(self, args):
         # On the current stream: its outputs (logits) are read by generate right after, so no

@@ -8,10 +8,21 @@ import inspect
 import torch
 
 
-def check_paged_dtype(device, dtype) -> None:
-    if device.type == "cuda" and dtype not in (torch.float16, torch.bfloat16):
+FLASHINFER_HEAD_DIMS = (64, 128, 256, 512)
+
+
+def check_paged_supported(device, dtype, text_config) -> None:
+    """Refuse, before the model changes, what FlashInfer cannot run (the CPU reference runs anything)."""
+    if device.type != "cuda":
+        return
+    if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"Gemma4OptConfig.attention='paged' on CUDA runs FlashInfer, which supports float16 and "
                          f"bfloat16; this model is {dtype}: cast it (model.to(torch.bfloat16)) or use attention='hf'")
+    dims = sorted({lc.head_dim for lc in getattr(text_config, "per_layer_config", None) or ()})
+    bad = [d for d in dims if d not in FLASHINFER_HEAD_DIMS]
+    if bad:
+        raise ValueError(f"Gemma4OptConfig.attention='paged' on CUDA: head_dim {bad} is not one FlashInfer's paged "
+                         f"kernels are built for {list(FLASHINFER_HEAD_DIMS)}; use attention='hf' for this model")
 
 
 def install_paged(model, target, state, device, dtype) -> None:

@@ -31,9 +31,13 @@ class _StandInWrapper:
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads, num_kv_heads, head_dim,
              page_size, causal=True, window_left=-1, sm_scale=None, q_data_type=None, kv_data_type=None,
-             non_blocking=True):
-        for t in (qo_indptr, kv_indptr, kv_last_page_len):   # host arrays: plan never reads the device
+             non_blocking=True, seq_lens=None, max_token_per_sequence=None):
+        for t in (qo_indptr, kv_indptr, kv_last_page_len, seq_lens):   # host arrays: plan never reads the device
             assert t.device.type == "cpu" and t.dtype == torch.int32
+        # What FlashInfer would derive itself (flashinfer.page.get_seq_lens, max of qo lengths).
+        live = kv_indptr[1:] - kv_indptr[:-1]
+        assert torch.equal(seq_lens, torch.where(live > 0, (live - 1) * page_size + kv_last_page_len, 0).int())
+        assert max_token_per_sequence == int((qo_indptr[1:] - qo_indptr[:-1]).max())
         assert causal
         _StandInWrapper.plans += 1
         if self.graph_buffers:  # a graph replays one batch size and at most the buffers' pages

@@ -81,10 +81,10 @@ def test_decode_steps_do_not_sync():
     from gemma4opt.attention.cache import PagedCache
     from gemma4opt.presets import build_model
 
-    model = build_model("tiny", dtype=torch.bfloat16, device="cuda")      # FlashInfer: 16-bit only
+    model = build_model("demo", dtype=torch.bfloat16, device="cuda")    # FlashInfer: 16-bit, head_dim >= 64
     gemma4opt.optimize(model, gemma4opt.Gemma4OptConfig(attention="paged", max_batch_size=4, max_seq_len=256))
     ctx = model._gemma4opt.context
-    ids = torch.randint(3, 100, (4, 20), device="cuda")
+    ids = torch.randint(3, 100, (4, 40), device="cuda")              # past the window
     cache = PagedCache(ctx, model.config.num_hidden_layers)
     with torch.no_grad():
         out = model(ids, past_key_values=cache, attention_mask=torch.ones_like(ids))
@@ -108,7 +108,7 @@ def test_bucket_graphs_with_a_full_pool_equal_the_unpadded_run():
 
     from gemma4opt.presets import build_model
 
-    base = build_model("tiny", dtype=torch.bfloat16, device="cuda")
+    base = build_model("demo", dtype=torch.bfloat16, device="cuda")   # head_dim 64/128, window 32
     window = base.config.sliding_window
     cfg = gemma4opt.Gemma4OptConfig(attention="paged", page_size=4, max_batch_size=6, max_seq_len=96,
                                     decode_buckets=(1, 2, 4), kv_pool_pages=6 * 24 + 1)

@@ -1,6 +1,7 @@
 """GraphedDecode's bookkeeping (warm-up, one capture, replays copying per-step inputs, a new capture
 when a fixed input moves), with CUDA graphs stood in by a recorder so it runs on a CPU. The real
 capture runs in tests/gpu."""
+import collections
 import contextlib
 import types
 
@@ -68,7 +69,8 @@ def test_warmup_capture_replay_and_recapture(monkeypatch):
     weight = torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
     cache = torch.zeros(3, 4)
     gm = _traced([weight, cache, torch.zeros(4), torch.tensor(0), 0])
-    state = types.SimpleNamespace(graphed_calls=0, graph_warmups=0, graph_captures=0)
+    state = types.SimpleNamespace(graphed_calls=0, graph_warmups=0, graph_captures=0,
+                                  graph_key_changes=collections.Counter())
     _patch(monkeypatch)
     runner = decode_graphs.GraphedDecode(gm, [weight, cache, torch.zeros(4), torch.tensor(0), 0], state,
                                          fixed_ptrs={cache.data_ptr()})
@@ -102,6 +104,7 @@ def test_warmup_capture_replay_and_recapture(monkeypatch):
     runner(weight, other, xs[1], torch.tensor(1), 1)
     assert _FakeGraph.captures == 2
     torch.testing.assert_close(other[:2], want[:2])
+    assert state.graph_key_changes == {"address of fixed input 1": 1}   # the new cache, once
 
 
 def test_int_read_by_kernels_keys_the_capture():
@@ -114,7 +117,8 @@ def test_int_read_by_kernels_keys_the_capture():
     for node in gm.graph.nodes:
         if node.op == "call_function" or node.op == "call_method":
             node.meta["example_value"] = torch.zeros(2)
-    state = types.SimpleNamespace(graphed_calls=0, graph_warmups=0, graph_captures=0)
+    state = types.SimpleNamespace(graphed_calls=0, graph_warmups=0, graph_captures=0,
+                                  graph_key_changes=collections.Counter())
     runner = decode_graphs.GraphedDecode(gm, [torch.zeros(4), 2], state, fixed_ptrs=set())
     assert runner.others == [1]
 
