@@ -33,16 +33,16 @@ for s in "$@"; do
             --systems gemma4opt eager static_compile --json "$OUT/gen.jsonl" ;;
     gen32) stage gen32 330 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 32 \
             --systems gemma4opt eager static_compile --json "$OUT/gen.jsonl" ;;
-    paged) GEMMA4OPT_PAGED_CUDA=1 MAX_JOBS=16 stage paged 480 $PYTEST -s tests/gpu/test_gpu_paged.py ;;  # JIT: ~30 s per kernel config
+    paged) MAX_JOBS=16 stage paged 480 $PYTEST -s tests/gpu/test_gpu_paged.py ;;  # JIT: ~30 s per kernel config
     plan) stage plan 120 python3 benchmarks/bench_plan.py --device cuda ;;
     kernels) stage kernels 240 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" ;;
     realdims) stage realdims 200 $PYTEST -s tests/gpu/test_gpu_generate.py -k "real_dims" ;;
     profile) stage profile 150 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 ;;
     profile32) stage profile32 150 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --batch 32 ;;
     planprof) stage planprof 90 python3 benchmarks/bench_plan.py --device cuda --batch 64 --steps 50 --profile ;;
-    gen1paged) GEMMA4OPT_PAGED_CUDA=1 stage gen1paged 300 python3 benchmarks/bench_generate.py --preset 31b --layers 12 \
+    gen1paged) stage gen1paged 300 python3 benchmarks/bench_generate.py --preset 31b --layers 12 \
             --batch 1 --systems gemma4opt gemma4opt-paged eager static_compile --json "$OUT/gen.jsonl" ;;
-    pagedfix) GEMMA4OPT_PAGED_CUDA=1 stage pagedfix 240 $PYTEST -s tests/gpu/test_gpu_paged.py -k "sync or bucket or float32" ;;
+    pagedfix) stage pagedfix 240 $PYTEST -s tests/gpu/test_gpu_paged.py -k "sync or bucket or float32" ;;
     testsdefer) stage testsdefer 150 $PYTEST tests/gpu/test_gpu_generate.py -k "captured or deferred or sync" ;;
     *) echo "unknown stage $s" ;;
   esac

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from gemma4opt.patterns import PATTERN_NAMES
 
@@ -30,8 +29,8 @@ class Gemma4OptConfig:
     attention: "hf" keeps HF's attention over HF's cache. "paged" gives generate a paged KV cache
         (gemma4opt.attention) whose attention reads page tables built on the host; sliding layers
         free the pages their window left behind. CPU: reference attention. CUDA: FlashInfer
-        (attention/flashinfer.py), not verified on a GPU yet, so refused unless the environment
-        sets GEMMA4OPT_PAGED_CUDA=1.
+        (attention/flashinfer.py; the ``[gpu]`` extra), fp16/bf16 models with head_dim 64, 128,
+        256 or 512; anything else is refused when optimize() is called.
     page_size, max_batch_size, max_seq_len, kv_pool_pages: the paged cache's shape; kv_pool_pages
         (per attention kind) defaults to max_batch_size full-length sequences.
     deferred_stop: let HF generate read its stop flag one step late (transformers'
@@ -93,10 +92,6 @@ class Gemma4OptConfig:
             raise ValueError("Gemma4OptConfig: paged decode graphs are gemma4opt's own (runtime/decode_graphs.py); "
                              "use inductor=False with attention='paged' and cuda_graphs")
         if self.attention == "paged" and on_cuda:
-            if os.environ.get("GEMMA4OPT_PAGED_CUDA") != "1":
-                raise ValueError("Gemma4OptConfig.attention='paged' is CPU-only for now: its FlashInfer path "
-                                 "(attention/flashinfer.py) has not passed tests/gpu on a GPU yet; use "
-                                 "attention='hf' on CUDA, or set GEMMA4OPT_PAGED_CUDA=1 to try it")
             from gemma4opt.attention.flashinfer import available
 
             reason = available()

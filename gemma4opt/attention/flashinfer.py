@@ -92,7 +92,7 @@ class KindPlan:
         # What FlashInfer's plan() would derive from the tensors element by element in Python
         # (a builtin max over a tensor, get_seq_lens): given from numpy instead.
         live = np.diff(kv_indptr)
-        kv_lens = np.where(live > 0, (live - 1) * self.page_size + last, 0).astype(np.int32)
+        kv_lens = (np.maximum(live - 1, 0) * self.page_size + last).astype(np.int32)   # flashinfer.page.get_seq_lens
         max_q = 1 if self.decode else int(np.diff(qo_indptr).max(initial=1))
         host = [torch.from_numpy(a) for a in (qo_indptr, kv_indptr, last, kv_lens)]
         self.current = self.wrapper if bucket is None else self._graph_wrapper(bucket)

@@ -36,7 +36,7 @@ class _StandInWrapper:
             assert t.device.type == "cpu" and t.dtype == torch.int32
         # What FlashInfer would derive itself (flashinfer.page.get_seq_lens, max of qo lengths).
         live = kv_indptr[1:] - kv_indptr[:-1]
-        assert torch.equal(seq_lens, torch.where(live > 0, (live - 1) * page_size + kv_last_page_len, 0).int())
+        assert torch.equal(seq_lens, (torch.clamp(live - 1, min=0) * page_size + kv_last_page_len).int())
         assert max_token_per_sequence == int((qo_indptr[1:] - qo_indptr[:-1]).max())
         assert causal
         _StandInWrapper.plans += 1

@@ -79,10 +79,16 @@ def test_caller_cache_and_beam_search_use_hf_path():
     assert model._gemma4opt.context.owner is None
 
 
-def test_paged_is_refused_on_cuda_until_verified(monkeypatch):
-    monkeypatch.delenv("GEMMA4OPT_PAGED_CUDA", raising=False)
-    with pytest.raises(ValueError, match="CPU-only"):
+def test_paged_on_cuda_needs_flashinfer_and_then_graphs_decode(monkeypatch):
+    from gemma4opt.attention import flashinfer
+
+    monkeypatch.setattr(flashinfer, "available", lambda: "flashinfer not importable (ImportError: x); pip install "
+                                                          "'gemma4opt[gpu]'")
+    with pytest.raises(ValueError, match=r"needs FlashInfer: .*gemma4opt\[gpu\]"):
         PAGED.resolve("cuda")
+    monkeypatch.setattr(flashinfer, "available", lambda: None)
+    cfg = PAGED.resolve("cuda")
+    assert cfg.cuda_graphs and not cfg.inductor and cfg.deferred_stop
 
 
 def test_paged_conflicts_are_named():

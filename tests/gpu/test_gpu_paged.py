@@ -1,10 +1,8 @@
 """On the GPU machine: the FlashInfer paged-attention path against the reference and HF eager.
 
-Needs flashinfer (the [gpu] extra). Paged attention on CUDA is opt-in until these pass on an
-H200 (GEMMA4OPT_PAGED_CUDA=1, set here).
+Needs flashinfer (the [gpu] extra).
 """
 import dataclasses
-import os
 
 import numpy as np
 import pytest
@@ -15,7 +13,6 @@ from gemma4opt.attention.pages import PagedSequences, PagePool
 from gemma4opt.attention.reference import kv_append_reference, paged_attention_reference
 
 pytestmark = pytest.mark.gpu
-os.environ["GEMMA4OPT_PAGED_CUDA"] = "1"
 
 
 @pytest.mark.parametrize("head_dim,heads,kv_heads,window", [(256, 32, 16, 24), (512, 32, 4, None), (64, 4, 1, 7)])
