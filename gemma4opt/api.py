@@ -19,6 +19,7 @@ from gemma4opt.patterns import build_patterns
 from gemma4opt.runtime.decode_graphs import mark_fixed
 from gemma4opt.runtime.paged_generate import begin_paged_step, check_paged_supported, install_paged, paged_decode_step
 from gemma4opt.runtime.static_cache import install_static_cache_reuse
+from gemma4opt.runtime.step_inputs import cache_of, one_token_step
 from gemma4opt.runtime.stop_check import install_deferred_stop_check
 
 SUPPORTED_CLASSES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
@@ -189,8 +190,9 @@ def _make_forward(target, state: OptimizationState):
     @functools.wraps(original)
     def forward(*args, **kwargs):
         reason = _fallback_reason(target, kwargs)
+        graphed = reason is None and state.decode_forward is not None and one_token_step(args, kwargs)
         if state.context is not None and state.scope == "causal_lm":   # else the outer forward began it
-            if reason is None and state.decode_forward is not None and _one_token_step(args, kwargs):
+            if graphed:
                 out = paged_decode_step(state, args, kwargs)
                 if out is not None:
                     return out
@@ -201,7 +203,7 @@ def _make_forward(target, state: OptimizationState):
             state.fallbacks[reason] += 1
             return original(*args, **kwargs)
         state.compiled_calls += 1
-        if state.decode_forward is not None and _one_token_step(args, kwargs) and _static_cache_ready(kwargs):
+        if graphed and _static_cache_ready(kwargs):
             if state.config.inductor:
                 state.graphed_calls += 1      # cudagraph trees; runtime.decode_graphs counts its own replays
             torch.compiler.cudagraph_mark_step_begin()   # last step's outputs were consumed by generate
@@ -211,18 +213,6 @@ def _make_forward(target, state: OptimizationState):
     return forward
 
 
-def _one_token_step(args, kwargs) -> bool:
-    """A decode step: one new token per sequence (prefill, chunks and drafts take the other path)."""
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    if ids is None:
-        ids = kwargs.get("inputs_embeds")
-    return ids is not None and ids.dim() >= 2 and ids.shape[1] == 1
-
-
-def _cache_of(kwargs):
-    return kwargs.get("cache", kwargs.get("past_key_values"))
-
-
 def _static_cache_ready(kwargs) -> bool:
     """True for a call on an HF static cache that prefill has already allocated.
 
@@ -230,7 +220,7 @@ def _static_cache_ready(kwargs) -> bool:
     under Dynamo, HF skips ``mark_static_address``. CUDA graphs need the cache at fixed
     addresses, so the first decode call marks them here, once per cache object.
     """
-    cache = _cache_of(kwargs)
+    cache = cache_of(kwargs)
     if getattr(cache, "_gemma4opt_static", False):
         return True                       # checked once per cache object, not every decode step
     if cache is None or not getattr(cache, "is_compileable", False):

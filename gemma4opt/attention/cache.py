@@ -44,6 +44,11 @@ class PagedLayer(CacheLayerMixin):
 class PagedCache(Cache):
     """One generate call's cache: its rows in the model's page tables, released when generate ends."""
 
+    # Not croppable, so HF keeps its per-step stop check with this cache (runtime/stop_check.py):
+    # FlashInfer's plan() reuses a pinned buffer per wrapper, which a host running a step ahead
+    # would overwrite before the previous step's copy of it ran.
+    is_croppable = False
+
     def __init__(self, context, num_layers: int):
         super().__init__(layers=[PagedLayer() for _ in range(num_layers)])
         self.context = context

@@ -94,12 +94,12 @@ class KindPlan:
         live = np.diff(kv_indptr)
         kv_lens = (np.maximum(live - 1, 0) * self.page_size + last).astype(np.int32)   # flashinfer.page.get_seq_lens
         max_q = 1 if self.decode else int(np.diff(qo_indptr).max(initial=1))
-        host = [torch.from_numpy(a) for a in (qo_indptr, kv_indptr, last, kv_lens)]
+        kv_indptr_t, last_t, kv_lens_t = (torch.from_numpy(a) for a in (kv_indptr, last, kv_lens))
         self.current = self.wrapper if bucket is None else self._graph_wrapper(bucket)
-        self._plan(self.current, host[0], host[1], kv_indices, host[2], host[3], max_q)
+        self._plan(self.current, torch.from_numpy(qo_indptr), kv_indptr_t, kv_indices, last_t, kv_lens_t, max_q)
         if self.last_wrapper is not None and not self.decode:
             ones = torch.from_numpy(np.arange(B + 1, dtype=np.int32))
-            self._plan(self.last_wrapper, ones, host[1], kv_indices, host[2], host[3], 1)
+            self._plan(self.last_wrapper, ones, kv_indptr_t, kv_indices, last_t, kv_lens_t, 1)
         self.planned = True
 
     def _plan(self, wrapper, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_lens, max_q) -> None:

@@ -7,6 +7,7 @@ import inspect
 
 import torch
 
+from gemma4opt.runtime.step_inputs import cache_of, step_input
 
 FLASHINFER_HEAD_DIMS = (64, 128, 256, 512)
 
@@ -70,13 +71,11 @@ def install_paged(model, target, state, device, dtype) -> None:
 def begin_paged_step(ctx, args, kwargs, replace_mask: bool = True) -> None:
     from gemma4opt.attention.cache import PagedCache
 
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    cache = cache_of(kwargs)
     ctx.active = isinstance(cache, PagedCache)
     if not ctx.active:
         return
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    if ids is None:
-        ids = kwargs["inputs_embeds"]
+    ids = step_input(args, kwargs)
     ctx.begin_step(cache, ids.shape[0], ids.shape[1], kwargs.get("attention_mask"))
     if replace_mask:
         kwargs["attention_mask"] = _no_masks()
@@ -100,15 +99,12 @@ def paged_decode_step(state, args, kwargs):
     from gemma4opt.attention.cache import PagedCache
 
     ctx = state.context
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    cache = cache_of(kwargs)
     if not isinstance(cache, PagedCache) or cache.rows is None or not ctx.buckets:
         return None
     if args:                                   # generate passes keywords; a positional input_ids too
         kwargs = dict(kwargs, input_ids=args[0])
-    first = next((kwargs[k] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None), None)
-    if first is None:
-        return None
-    batch = first.shape[0]
+    batch = step_input((), kwargs).shape[0]    # the caller checked: a one-token step
     bucket = ctx.bucket(batch)
     if bucket is None:
         state.fallbacks[f"paged decode batch > largest graph bucket {ctx.buckets[-1]} (run uncaptured)"] += 1

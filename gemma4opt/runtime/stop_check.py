@@ -65,8 +65,3 @@ def install_deferred_stop_check(model) -> str:
 
     model.generate = generate
     return "deferred one step (HF DeferredStopCheck, enabled on CUDA for this model)"
-
-
-def deferring() -> bool:
-    """True while an optimized model's generate runs with the deferred stop check."""
-    return _ACTIVE.get()

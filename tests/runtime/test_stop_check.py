@@ -63,6 +63,10 @@ def test_hf_conditions_still_hold_inside():
         assert not DeferredStopCheck.is_supported(CUDA, None, False, True)            # assisted decoding
         assert not DeferredStopCheck.is_supported(CUDA, Uncroppable(), True, False)   # returned, cannot undo
         assert DeferredStopCheck.is_supported(CUDA, Uncroppable(), False, False)
+        # generate is handed the paged cache (so it counts as returned): HF's per-step check stays
+        from gemma4opt.attention.cache import PagedCache
+
+        assert not DeferredStopCheck.is_supported(CUDA, PagedCache.__new__(PagedCache), True, False)
         assert not DeferredStopCheck.is_supported(CPU, None, False, False)
     finally:
         stop_check._ACTIVE.reset(with_token)

@@ -1,0 +1,19 @@
+"""Where a forward call's cache and batch input are, as HF generate and direct callers pass them."""
+from __future__ import annotations
+
+
+def cache_of(kwargs):
+    """The KV cache (transformers >= 5.20 calls it ``cache``, earlier ``past_key_values``)."""
+    return kwargs.get("cache", kwargs.get("past_key_values"))
+
+
+def step_input(args, kwargs):
+    """input_ids (keyword or first positional) or inputs_embeds: [batch, tokens, ...]; None if neither."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    return ids if ids is not None else kwargs.get("inputs_embeds")
+
+
+def one_token_step(args, kwargs) -> bool:
+    """A decode step: one new token per sequence (prefill, chunks and drafts take the other path)."""
+    ids = step_input(args, kwargs)
+    return ids is not None and ids.dim() >= 2 and ids.shape[1] == 1
