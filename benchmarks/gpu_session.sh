@@ -39,7 +39,9 @@ for s in "$@"; do
     realdims) stage realdims 200 $PYTEST -s tests/gpu/test_gpu_generate.py -k "real_dims" ;;
     profile) stage profile 150 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 ;;
     profile32) stage profile32 150 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --batch 32 ;;
-    planprof) stage planprof 90 python3 benchmarks/bench_plan.py --device cuda --batch 64 --steps 50 --profile ;;
+    profpaged1) stage profpaged1 240 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --attention paged ;;
+    profpaged32) stage profpaged32 150 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --batch 32 --attention paged ;;
+    planprof) stage planprof 150 python3 benchmarks/bench_plan.py --device cuda --batch 64 --steps 50 --profile ;;
     gen1paged) stage gen1paged 300 python3 benchmarks/bench_generate.py --preset 31b --layers 12 \
             --batch 1 --systems gemma4opt gemma4opt-paged eager static_compile --json "$OUT/gen.jsonl" ;;
     pagedfix) stage pagedfix 240 $PYTEST -s tests/gpu/test_gpu_paged.py -k "sync or bucket or float32" ;;

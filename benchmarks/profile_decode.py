@@ -13,6 +13,29 @@ import gemma4opt
 from gemma4opt.presets import ALL_PRESETS, build_model
 
 
+# Kernel name fragments per category: what a decode step's device time goes to.
+CATEGORIES = [("gemm", ("nvjet", "gemm", "splitKreduce", "cutlass_80_tensorop", "sm90_xmma")),
+              ("attention", ("sdpa", "fmha", "flash", "BatchDecode", "BatchPrefill", "Attention")),
+              ("gemma4opt triton", ("_rms_norm", "_add_rms_norm", "_gelu_tanh_mul", "_softcap", "_moe_router")),
+              ("copies/index", ("copy", "index", "Fill", "cat")),
+              ("other", ("",))]
+
+
+def print_categories(avgs, steps):
+    """Device self time per category and kernel launches, per generated token."""
+    totals = {name: [0.0, 0] for name, _ in CATEGORIES}
+    for e in avgs:
+        dev = getattr(e, "self_device_time_total", 0)
+        if dev <= 0 or e.cpu_time_total > 0 or e.key.startswith("Torch-Compiled"):
+            continue            # host ops and regions: their kernels are listed on their own
+        name = next(n for n, frags in CATEGORIES if any(f in e.key for f in frags))
+        totals[name][0] += dev
+        totals[name][1] += e.count
+    print("device time per token by kernel category (us; launches):")
+    for name, (dev, n) in totals.items():
+        print(f"  {name:>18} {dev / steps:9.1f} us  {n / steps:7.1f} launches")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", choices=sorted(ALL_PRESETS))
@@ -22,9 +45,13 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--inductor", type=int, default=None, choices=[0, 1])
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--attention", default="hf", choices=["hf", "paged"])
     args = ap.parse_args(argv)
     model = build_model(args.preset, args.layers, dtype=torch.bfloat16, device="cuda")
-    cfg = gemma4opt.Gemma4OptConfig(inductor=None if args.inductor is None else bool(args.inductor))
+    opts = dict(inductor=None if args.inductor is None else bool(args.inductor), attention=args.attention)
+    if args.attention == "paged":       # a pool for exactly this run
+        opts.update(max_batch_size=args.batch, max_seq_len=args.prompt + args.new + 16)
+    cfg = gemma4opt.Gemma4OptConfig(**opts)
     gemma4opt.optimize(model, cfg)
     ids = torch.randint(3, 1000, (args.batch, args.prompt), device="cuda")
 
@@ -55,6 +82,7 @@ def main(argv=None):
     dev_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in avgs)
     print(f"one generate: wall {wall_ms:.1f} ms = {wall_ms / args.new:.2f} ms per token (incl. prefill); "
           f"device busy {dev_us / 1e3:.1f} ms = {dev_us / 1e3 / args.new:.2f} ms per token under the profiler")
+    print_categories(avgs, args.new)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=70))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
 
