@@ -41,6 +41,10 @@ for s in "$@"; do
     profile32) stage profile32 150 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --batch 32 ;;
     profpaged1) stage profpaged1 240 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --attention paged ;;
     profpaged32) stage profpaged32 150 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --batch 32 --attention paged ;;
+    attn) MAX_JOBS=16 stage attn 420 python3 benchmarks/bench_attention.py --json "$OUT/attention.jsonl" ;;
+    genpaged) stage genpaged 420 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 32 \
+            --systems gemma4opt-paged gemma4opt static_compile eager --json "$OUT/gen.jsonl" ;;
+    deferpaged) MAX_JOBS=16 stage deferpaged 170 $PYTEST -s tests/gpu/test_gpu_generate.py -k "deferred" ;;
     planprof) stage planprof 150 python3 benchmarks/bench_plan.py --device cuda --batch 64 --steps 50 --profile ;;
     gen1paged) stage gen1paged 300 python3 benchmarks/bench_generate.py --preset 31b --layers 12 \
             --batch 1 --systems gemma4opt gemma4opt-paged eager static_compile --json "$OUT/gen.jsonl" ;;

@@ -44,16 +44,27 @@ class PagedLayer(CacheLayerMixin):
 class PagedCache(Cache):
     """One generate call's cache: its rows in the model's page tables, released when generate ends."""
 
-    # Not croppable, so HF keeps its per-step stop check with this cache (runtime/stop_check.py):
-    # FlashInfer's plan() reuses a pinned buffer per wrapper, which a host running a step ahead
-    # would overwrite before the previous step's copy of it ran.
-    is_croppable = False
+    # HF generate is handed this cache, so it counts as returned: HF defers its stop check
+    # (runtime/stop_check.py) only for a cache that can undo the one extra step that costs.
+    is_croppable = True
 
     def __init__(self, context, num_layers: int):
         super().__init__(layers=[PagedLayer() for _ in range(num_layers)])
         self.context = context
         self.rows: torch.Tensor | None = None   # set at prefill
         self.released = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Undo HF's extra deferred step (``crop(-1)``) or nothing (``crop(0)``, every step).
+
+        Only the lengths HF reads move back: generate is over when HF undoes a step, and the
+        pages that step wrote go back to the pool when generate returns (``release``).
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(f"PagedCache.crop({tokens_to_remove}): only crop(-n) (drop the last n tokens) and "
+                             "crop(0) are supported, as HF generate's deferred stop check uses them")
+        for layer in self.layers:
+            layer.cumulative_length = max(layer.cumulative_length + tokens_to_remove, 0)
 
     def release(self) -> None:
         if not self.released:

@@ -12,10 +12,9 @@ Registered under an int key so the custom op (which takes no Python objects) can
 
 FlashInfer's plan() stages its schedule in a pinned buffer per wrapper and copies it to the GPU
 asynchronously; a plan() of the next step must not overwrite that buffer before the copy ran.
-With the paged cache, HF generate keeps its per-step stop check (the cache is passed in, so
-HF's deferred check would need it croppable; runtime/stop_check.py), which keeps the host from
-running a step ahead; a caller that drives decode steps without any sync must bound how far the
-host runs ahead.
+The host runs ahead of the GPU (HF's stop check is deferred, runtime/stop_check.py; decode
+graphs are replayed without syncs), so each wrapper records an event after its plan and the next
+plan of that wrapper waits on it if, and only if, the GPU has not reached it yet.
 """
 from __future__ import annotations
 
@@ -62,6 +61,7 @@ class KindPlan:
         # graph reads them); plan() before each replay rewrites their contents.
         self.graph_wrappers: dict[int, object] = {}
         self.current = self.wrapper
+        self._plan_copied: dict[int, torch.cuda.Event] = {}   # wrapper -> event after its plan's copy
         self.decode = False
         self.planned = False
         _PLANS[self.key] = self
@@ -104,10 +104,17 @@ class KindPlan:
 
     def _plan(self, wrapper, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_lens, max_q) -> None:
         h, kvh, d = self.heads
+        copied = self._plan_copied.get(id(wrapper))
+        if copied is not None and not copied.query():
+            copied.synchronize()        # the GPU has not yet copied this wrapper's last plan out
         wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, h, kvh, d, self.page_size, causal=True,
                      window_left=(self.window - 1) if self.window else -1, sm_scale=self.scale,
                      q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True,
                      seq_lens=kv_lens, max_token_per_sequence=max_q)
+        if self.workspace.is_cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+            self._plan_copied[id(wrapper)] = ev
 
     def release(self) -> None:
         _PLANS.pop(self.key, None)

@@ -81,9 +81,11 @@ def test_graphed_generate_does_not_sync_in_gemma4opt_code():
     assert gemma4opt.report(model, print_table=False).graphed_calls - before == 23
 
 
-def test_deferred_stop_check_equals_eager_when_eos_stops_early():
+@pytest.mark.parametrize("attention", ["hf", "paged"])
+def test_deferred_stop_check_equals_eager_when_eos_stops_early(attention):
     """With HF's stop check read one step late, an eos that ends every row early still gives
-    eager's ids, length included (HF undoes the extra step), and streams the same tokens."""
+    eager's ids, length included (HF undoes the extra step; the paged cache crops it), and
+    streams the same tokens."""
     from transformers.generation.streamers import BaseStreamer
 
     class Collect(BaseStreamer):
@@ -96,7 +98,12 @@ def test_deferred_stop_check_equals_eager_when_eos_stops_early():
         def end(self):
             pass
 
-    model = build_model("tiny", device="cuda")
+    if attention == "paged":
+        pytest.importorskip("flashinfer")
+        model = build_model("demo", dtype=torch.bfloat16, device="cuda")    # FlashInfer: 16-bit, head_dim >= 64
+        cfg = gemma4opt.Gemma4OptConfig(attention="paged", max_batch_size=1, max_seq_len=64)
+    else:
+        model, cfg = build_model("tiny", device="cuda"), None
     ids = prompt(1, 12).cuda()
     free = _gen(model, ids, 24)
     eos = int(free[0, 12 + 9])                       # a token eager emits at step 10
@@ -105,7 +112,7 @@ def test_deferred_stop_check_equals_eager_when_eos_stops_early():
     with torch.no_grad():
         want_stream = Collect()
         want = model.generate(ids, streamer=want_stream, **kw)
-        gemma4opt.optimize(model)
+        gemma4opt.optimize(model, cfg)
         assert "deferred" in gemma4opt.report(model, print_table=False).stop_check
         for _ in range(2):
             got_stream = Collect()

@@ -1,0 +1,120 @@
+"""FlashInfer decode attention on the 31b geometry: time per layer against the KV bytes it reads.
+
+    python benchmarks/bench_attention.py                      # batch 1 32 64, context 160 4096
+    python benchmarks/bench_attention.py --batch 32 --context 4096 --variants prefill decode
+
+Per attention kind (sliding: 32 q / 16 kv heads, head_dim 256, window 1024; full: 32 q / 4 kv
+heads, head_dim 512) and per way of running one decode query per sequence over paged KV:
+``prefill`` (BatchPrefillWithPagedKVCacheWrapper, what gemma4opt runs), ``decode``
+(BatchDecodeWithPagedKVCacheWrapper on CUDA cores) and ``decode-tc`` (the same with tensor
+cores). Each is timed as a CUDA graph of 20 runs (no launch or Python overhead), and the KV bytes
+a step must read (window-limited) over that time is compared with the measured copy bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from roofline import copy_bandwidth  # noqa: E402
+
+KINDS = {"sliding": dict(heads=32, kv_heads=16, head_dim=256, window=1024),
+         "full": dict(heads=32, kv_heads=4, head_dim=512, window=None)}
+PAGE = 16
+
+
+def _wrapper(variant, workspace, batch, max_pages, head_dim):
+    import flashinfer
+
+    def buf(n):
+        return torch.empty(n, dtype=torch.int32, device="cuda")
+
+    if variant == "prefill":
+        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(   # as gemma4opt builds it (attention/flashinfer.py)
+            workspace, "NHD", backend="fa2" if head_dim > 256 else "auto", use_cuda_graph=True, qo_indptr_buf=buf(batch + 1), paged_kv_indptr_buf=buf(batch + 1),
+            paged_kv_indices_buf=buf(max_pages), paged_kv_last_page_len_buf=buf(batch))
+    return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_cuda_graph=True, use_tensor_cores=variant == "decode-tc",
+        paged_kv_indptr_buffer=buf(batch + 1), paged_kv_indices_buffer=buf(max_pages),
+        paged_kv_last_page_len_buffer=buf(batch))
+
+
+def run_case(kind, variant, batch, context, workspace, bw, reps=20):
+    g = KINDS[kind]
+    h, kvh, d, window = g["heads"], g["kv_heads"], g["head_dim"], g["window"]
+    pages_per_seq = -(-context // PAGE)
+    n_pages = batch * pages_per_seq
+    kv = torch.randn(n_pages, 2, PAGE, kvh, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, h, d, device="cuda", dtype=torch.bfloat16)
+    indptr = torch.arange(0, n_pages + 1, pages_per_seq, dtype=torch.int32)
+    indices = torch.randperm(n_pages, dtype=torch.int32).cuda()
+    last = torch.full((batch,), context - (pages_per_seq - 1) * PAGE, dtype=torch.int32)
+    w = _wrapper(variant, workspace, batch, n_pages, d)
+    common = dict(window_left=window - 1 if window else -1, sm_scale=1.0, q_data_type=torch.bfloat16,
+                  kv_data_type=torch.bfloat16)
+    if variant == "prefill":
+        w.plan(torch.arange(batch + 1, dtype=torch.int32), indptr, indices, last, h, kvh, d, PAGE, causal=True,
+               **common)
+    else:
+        w.plan(indptr, indices, last, h, kvh, d, PAGE, **common)
+    w.run(q, kv)                                     # JIT / warm-up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            w.run(q, kv)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps * 1e3)
+    us = min(times)
+    seen = min(context, window) if window else context
+    kv_bytes = batch * seen * kvh * d * 2 * 2
+    return dict(kind=kind, variant=variant, batch=batch, context=context, us=us, kv_mb=kv_bytes / 1e6,
+                gb_s=kv_bytes / us / 1e3, bw_frac=kv_bytes / (us * 1e-6) / bw)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32, 64])
+    ap.add_argument("--context", type=int, nargs="+", default=[160, 4096])
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    ap.add_argument("--variants", nargs="+", default=["prefill", "decode", "decode-tc"],
+                    choices=["prefill", "decode", "decode-tc"])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    bw = copy_bandwidth("cuda")
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    print(f"# copy bandwidth {bw / 1e12:.2f} TB/s; bf16, page size {PAGE}; us per layer (CUDA graph of 20)")
+    print(f"{'kind':>8} {'variant':>10} {'batch':>5} {'context':>7} {'us':>8} {'KV MB':>8} {'GB/s':>7} {'of copy':>7}")
+    rows = []
+    for kind in args.kinds:
+        for variant in args.variants:
+            for context in args.context:
+                for batch in args.batch:
+                    try:
+                        r = run_case(kind, variant, batch, context, workspace, bw)
+                    except Exception as e:      # a variant FlashInfer lacks for this geometry
+                        print(f"{kind:>8} {variant:>10} {batch:>5} {context:>7}  unsupported: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:120] if str(e) else ''}", flush=True)
+                        continue
+                    rows.append(r)
+                    print(f"{kind:>8} {variant:>10} {batch:>5} {context:>7} {r['us']:>8.1f} {r['kv_mb']:>8.1f} "
+                          f"{r['gb_s']:>7.0f} {r['bw_frac']:>6.0%}", flush=True)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+if __name__ == "__main__":
+    main()
