@@ -44,7 +44,10 @@ for s in "$@"; do
     attn) MAX_JOBS=16 stage attn 420 python3 benchmarks/bench_attention.py --json "$OUT/attention.jsonl" ;;
     genpaged) stage genpaged 420 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 32 \
             --systems gemma4opt-paged gemma4opt static_compile eager --json "$OUT/gen.jsonl" ;;
-    deferpaged) MAX_JOBS=16 stage deferpaged 170 $PYTEST -s tests/gpu/test_gpu_generate.py -k "deferred" ;;
+    deferpaged) MAX_JOBS=16 stage deferpaged 170 $PYTEST -s tests/gpu/test_gpu_generate.py -k "deferred and paged" ;;
+    genfinal) stage genfinal 560 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 128 \
+            --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;
+    kvtest) stage kvtest 90 $PYTEST tests/kernels/test_kv_append_kernel.py ;;
     planprof) stage planprof 150 python3 benchmarks/bench_plan.py --device cuda --batch 64 --steps 50 --profile ;;
     gen1paged) stage gen1paged 300 python3 benchmarks/bench_generate.py --preset 31b --layers 12 \
             --batch 1 --systems gemma4opt gemma4opt-paged eager static_compile --json "$OUT/gen.jsonl" ;;

@@ -48,15 +48,20 @@ class KindPlan:
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.page_size, self.window, self.dtype, self.scale = page_size, window, dtype, scale
         self.workspace, self.max_pages = workspace, max_pages
+        # Prefill: FA3 on Hopper where it exists (head_dim <= 256). Decode: FA2, whose planner
+        # splits each sequence's KV across CTAs; FA3 runs one query row per CTA over the whole
+        # sequence: measured on an H200 (benchmarks/bench_attention.py, head_dim 256, batch 32,
+        # 4k context) 322 µs (39 % of copy bandwidth) against FA2's 142 µs (89 %).
         self.backend = "fa2" if head_dim > 256 else "auto"
         self._new = flashinfer.BatchPrefillWithPagedKVCacheWrapper
 
-        def wrapper():
-            return self._new(workspace, kv_layout="NHD", backend=self.backend)
+        def wrapper(backend=self.backend):
+            return self._new(workspace, kv_layout="NHD", backend=backend)
 
         self.wrapper = wrapper()
+        self.decode_wrapper = wrapper("fa2")
         # KV-shared layers at prefill: one query (the last token) per sequence over the same pages.
-        self.last_wrapper = wrapper() if last_token_layers else None
+        self.last_wrapper = wrapper("fa2") if last_token_layers else None
         # Decode graphs: one wrapper per batch bucket, its index buffers at fixed addresses (the
         # graph reads them); plan() before each replay rewrites their contents.
         self.graph_wrappers: dict[int, object] = {}
@@ -75,7 +80,7 @@ class KindPlan:
                 return torch.empty(n, dtype=torch.int32, device=dev)
 
             w = self.graph_wrappers[bucket] = self._new(
-                self.workspace, kv_layout="NHD", backend=self.backend, use_cuda_graph=True,
+                self.workspace, kv_layout="NHD", backend="fa2", use_cuda_graph=True,
                 qo_indptr_buf=buf(bucket + 1), paged_kv_indptr_buf=buf(bucket + 1),
                 paged_kv_indices_buf=buf(self.max_pages), paged_kv_last_page_len_buf=buf(bucket))
         return w
@@ -95,7 +100,10 @@ class KindPlan:
         kv_lens = (np.maximum(live - 1, 0) * self.page_size + last).astype(np.int32)   # flashinfer.page.get_seq_lens
         max_q = 1 if self.decode else int(np.diff(qo_indptr).max(initial=1))
         kv_indptr_t, last_t, kv_lens_t = (torch.from_numpy(a) for a in (kv_indptr, last, kv_lens))
-        self.current = self.wrapper if bucket is None else self._graph_wrapper(bucket)
+        if bucket is not None:
+            self.current = self._graph_wrapper(bucket)
+        else:
+            self.current = self.decode_wrapper if self.decode else self.wrapper
         self._plan(self.current, torch.from_numpy(qo_indptr), kv_indptr_t, kv_indices, last_t, kv_lens_t, max_q)
         if self.last_wrapper is not None and not self.decode:
             ones = torch.from_numpy(np.arange(B + 1, dtype=np.int32))

@@ -23,6 +23,11 @@ from gemma4opt.attention.reference import kv_append_reference, paged_attention_r
 @torch.library.custom_op("gemma4opt::kv_append", mutates_args=("kv",))
 def kv_append(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
               token_index: torch.Tensor) -> None:
+    kv_append_rows_reference(kv, k, v, slot_mapping, token_index)
+
+
+def kv_append_rows_reference(kv, k, v, slot_mapping, token_index) -> None:
+    """The CPU path and the Triton kernel's oracle: gather the real rows, store them by slot."""
     flat_k = k.reshape(-1, k.shape[-2], k.shape[-1]).index_select(0, token_index)
     flat_v = v.reshape(-1, v.shape[-2], v.shape[-1]).index_select(0, token_index)
     kv_append_reference(kv, flat_k, flat_v, slot_mapping)
@@ -31,6 +36,13 @@ def kv_append(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
 @kv_append.register_fake
 def _(kv, k, v, slot_mapping, token_index):
     return None
+
+
+@kv_append.register_kernel("cuda")
+def _(kv, k, v, slot_mapping, token_index):
+    from gemma4opt.kernels.kv_append import kv_append_triton
+
+    kv_append_triton(kv, k, v, slot_mapping, token_index)
 
 
 @torch.library.custom_op("gemma4opt::paged_attention", mutates_args=())

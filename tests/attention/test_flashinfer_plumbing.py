@@ -27,6 +27,7 @@ class _StandInWrapper:
             assert set(buffers) == {"qo_indptr_buf", "paged_kv_indptr_buf", "paged_kv_indices_buf",
                                     "paged_kv_last_page_len_buf"}
         self.graph_buffers = buffers
+        self.backend = backend
         self.m = None
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads, num_kv_heads, head_dim,
@@ -39,6 +40,8 @@ class _StandInWrapper:
         assert torch.equal(seq_lens, (torch.clamp(live - 1, min=0) * page_size + kv_last_page_len).int())
         assert max_token_per_sequence == int((qo_indptr[1:] - qo_indptr[:-1]).max())
         assert causal
+        if torch.equal(qo_indptr, torch.arange(len(qo_indptr), dtype=torch.int32)):
+            assert self.backend == "fa2", "decode plans run on FA2 (split KV), not FA3"
         _StandInWrapper.plans += 1
         if self.graph_buffers:  # a graph replays one batch size and at most the buffers' pages
             assert len(qo_indptr) == len(self.graph_buffers["qo_indptr_buf"])
