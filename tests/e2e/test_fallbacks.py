@@ -81,3 +81,36 @@ def test_only_this_instance_is_changed():
     gemma4opt.optimize(a)
     assert "forward" in vars(a) and "forward" not in vars(b)
     assert type(a) is type(b)
+
+
+def test_cpu_path_never_imports_flashinfer():
+    """flashinfer is the optional [gpu] extra: optimize, generate (HF and paged attention) and
+    report on the CPU run without importing it (a fresh interpreter, so nothing else did)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+tried = []
+
+
+class Spy:          # sees every import attempt, also one whose ImportError is caught
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "flashinfer":
+            tried.append(name)
+
+
+sys.meta_path.insert(0, Spy())
+import torch, gemma4opt
+from tests.models import prompt, tiny
+for cfg in (None, gemma4opt.Gemma4OptConfig(attention="paged", page_size=4, max_seq_len=64, max_batch_size=2)):
+    model = gemma4opt.optimize(tiny(), cfg)
+    with torch.no_grad():
+        model.generate(prompt(2, 6), max_new_tokens=3, do_sample=False)
+    gemma4opt.report(model, print_table=False)
+print(bool(tried) or "flashinfer" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         cwd=__file__.rsplit("/tests/", 1)[0])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
