@@ -9,6 +9,10 @@
 # layers, batch 1: gemma4opt / HF eager / HF static+compile), gen32 (same at batch 32), paged
 # (FlashInfer op numerics, paged generate == eager, sync-free decode), plan (host step cost with
 # FlashInfer plan), kernels (Triton vs Inductor), realdims (bf16 error vs fp32 on real dims).
+# genfinal / gen2048 / gene4b / gen26b / gen31bfull: issue 5's table (paged vs HF static+compile
+# vs eager); attn: FlashInfer decode wrappers vs KV bytes; profile*, profpaged*: where a step goes.
+# A fresh machine JIT-compiles FlashInfer (~2 min for the 31b's configs): keep stages that share
+# configs in one call, or in calls back to back while the machine is warm.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gemma4opt-out}
@@ -48,6 +52,14 @@ for s in "$@"; do
     genfinal) stage genfinal 560 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 128 \
             --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;
     kvtest) stage kvtest 90 $PYTEST tests/kernels/test_kv_append_kernel.py ;;
+    gen2048) stage gen2048 560 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 --prompt 2048 \
+            --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;
+    gene4b) stage gene4b 400 python3 benchmarks/bench_generate.py --preset e4b --batch 1 32 \
+            --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;
+    gen26b) stage gen26b 400 python3 benchmarks/bench_generate.py --preset 26b-a4b --batch 1 \
+            --systems eager static_compile gemma4opt-paged --json "$OUT/gen.jsonl" ;;
+    gen31bfull) stage gen31bfull 560 python3 benchmarks/bench_generate.py --preset 31b --batch 1 \
+            --systems eager static_compile gemma4opt-paged --json "$OUT/gen.jsonl" ;;   # 62 GB: no copies
     planprof) stage planprof 150 python3 benchmarks/bench_plan.py --device cuda --batch 64 --steps 50 --profile ;;
     gen1paged) stage gen1paged 300 python3 benchmarks/bench_generate.py --preset 31b --layers 12 \
             --batch 1 --systems gemma4opt gemma4opt-paged eager static_compile --json "$OUT/gen.jsonl" ;;
