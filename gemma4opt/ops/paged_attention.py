@@ -9,9 +9,9 @@ output zero). Tq is the step's token count (then the real rows are ``token_index
 HF runs a KV-shared layer on the last token only. Sequence b holds ``seq_lens[b]`` tokens, whose
 live pages are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
 
-CPU: the reference (gather + SDPA). CUDA: FlashInfer's paged prefill kernel, planned once per
-step per attention kind on the host (attention/flashinfer.py); ``plan_key`` names that plan.
-Nothing here reads a device value on the host.
+CPU: the reference (gather + SDPA). CUDA: FlashInfer's paged kernels, planned once per
+step per attention kind on the host (attention/flashinfer.py); ``plan_key`` names that plan;
+kv_append is a Triton kernel (kernels/kv_append.py). Nothing here reads a device value on the host.
 """
 from __future__ import annotations
 
