@@ -98,3 +98,43 @@ def test_flashinfer_path_tokens_equal_eager(monkeypatch, variant):
     assert _StandInWrapper.plans == 2 * 12 + (2 if shared else 0)
     for p in ctx.plans.values():
         p.release()
+
+
+def test_a_wrappers_next_plan_waits_only_until_its_last_plan_was_copied(monkeypatch):
+    """FlashInfer stages a plan in one pinned buffer per wrapper: with the host a step ahead,
+    the next plan() of that wrapper must wait for the GPU to have copied the last one out, and
+    must not wait when it has (no sync in steady decode)."""
+    import numpy as np
+
+    from gemma4opt.attention import flashinfer as fi
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
+        BatchPrefillWithPagedKVCacheWrapper=_StandInWrapper))
+    waits, done = [], {"now": False}
+
+    class Event:                   # a CUDA event whose completion the test decides
+        def record(self):
+            pass
+
+        def query(self):
+            return done["now"]
+
+        def synchronize(self):
+            waits.append(1)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    workspace = types.SimpleNamespace(is_cuda=True, device=torch.device("cpu"))   # as on a GPU
+    plan = fi.KindPlan(workspace, 4, 2, 8, 4, None, torch.float32)
+    kv = torch.zeros(3, dtype=torch.int32)
+
+    def step():
+        plan.plan(np.arange(3), np.array([0, 1, 3]), np.array([2, 4]), kv)
+
+    step()
+    assert waits == []             # nothing planned before
+    step()
+    assert waits == [1]            # the last plan's copy had not run: wait for it
+    done["now"] = True
+    step()
+    assert waits == [1]            # it had: no wait
+    plan.release()
