@@ -33,7 +33,9 @@ def _plans(args, device):
         print(f"# FlashInfer: {available()} -> plan() not measured")
         return None
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-    return [KindPlan(ws, h, kvh, d, args.page_size, args.window if name == "sliding" else None, torch.bfloat16)
+    max_pages = max(args.batch) * (-(-(args.context + args.steps + 8) // args.page_size) + 1)
+    return [KindPlan(ws, h, kvh, d, args.page_size, args.window if name == "sliding" else None, torch.bfloat16,
+                     max_pages=max_pages, fast_replan=not args.full_plan)
             for name, h, kvh, d in KINDS]
 
 
@@ -51,6 +53,10 @@ def main(argv=None):
     ap.add_argument("--aligned", action="store_true",
                     help="every sequence at the same length (page crossings all on one step); default: lengths "
                          "uniform in [context/2, context], so some sequence crosses a page almost every step")
+    ap.add_argument("--graph", action="store_true",
+                    help="plan as decode graphs do (graph-mode wrapper per batch bucket; FlashInfer's plan() once, "
+                         "then gemma4opt's fast replan: attention/flashinfer_replan.py)")
+    ap.add_argument("--full-plan", action="store_true", help="with --graph: FlashInfer's plan() every step")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile the plan() calls of the last batch size (where host time goes)")
     args = ap.parse_args(argv)
@@ -92,7 +98,8 @@ def main(argv=None):
                 if prof is not None and b == args.batch[-1]:
                     prof.enable()
                 for i, (m, p) in enumerate(zip(metas, plans)):
-                    p.plan(m.qo_indptr, m.kv_indptr, m.kv_last_page_len, dev[f"{i}.kv_indices"])
+                    p.plan(m.qo_indptr, m.kv_indptr, m.kv_last_page_len, dev[f"{i}.kv_indices"],
+                           bucket=b if args.graph else None)
                 if prof is not None:
                     prof.disable()
             t3 = time.perf_counter()
@@ -109,6 +116,9 @@ def main(argv=None):
         cells = [f"{np.median(t[k]) * 1e6:7.1f} ({np.mean(t[k]) * 1e6:5.0f})" if plans or k in ("meta", "staged")
                  else f"{'-':>14}" for k in t]
         print(f"{b:>6} " + " ".join(f"{c:>14}" for c in cells), flush=True)
+    if plans and args.graph:
+        print("# decode-graph plans: " + ", ".join(f"{KINDS[i][0]}: {p.replan.summary() if p.replan else 'full'}"
+                                                  for i, p in enumerate(plans)))
     if prof is not None and plans:
         import pstats
 

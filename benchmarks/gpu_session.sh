@@ -60,6 +60,9 @@ for s in "$@"; do
             --systems eager static_compile gemma4opt-paged --json "$OUT/gen.jsonl" ;;
     gen31bfull) stage gen31bfull 560 python3 benchmarks/bench_generate.py --preset 31b --batch 1 \
             --systems eager static_compile gemma4opt-paged --json "$OUT/gen.jsonl" ;;   # 62 GB: no copies
+    plangraph) stage plangraph 200 python3 benchmarks/bench_plan.py --device cuda --graph ;;   # fast replan
+    plangraphfull) stage plangraphfull 200 python3 benchmarks/bench_plan.py --device cuda --graph --full-plan ;;
+    replantest) MAX_JOBS=16 stage replantest 240 $PYTEST -s tests/gpu/test_gpu_paged.py -k "replan" ;;
     planprof) stage planprof 150 python3 benchmarks/bench_plan.py --device cuda --batch 64 --steps 50 --profile ;;
     gen1paged) stage gen1paged 300 python3 benchmarks/bench_generate.py --preset 31b --layers 12 \
             --batch 1 --systems gemma4opt gemma4opt-paged eager static_compile --json "$OUT/gen.jsonl" ;;

@@ -37,6 +37,10 @@ class Gemma4OptConfig:
         DeferredStopCheck, which HF enables on "mps" only), so the host queues the next decode step
         while the GPU runs this one; the one extra step it may run is undone by HF. ``None`` = on
         when on CUDA; off on CPU (no device to overlap with). See runtime/stop_check.py.
+    fast_replan: with the paged cache on CUDA, decode graphs' per-step FlashInfer plans skip
+        FlashInfer's Python ``plan()`` and call its C++ planner directly, after checking once per
+        wrapper that both leave the same data for the GPU (attention/flashinfer_replan.py; off for
+        that wrapper, and counted in the report, if not).
     decode_buckets: with the paged cache and cuda_graphs, the batch sizes decode graphs are
         captured for; a batch of B replays the smallest bucket >= B, padded with rows of a dummy
         sequence whose page is reserved when the pool is created. ``None`` = 1, 2, 4, 8, then
@@ -54,6 +58,7 @@ class Gemma4OptConfig:
     kv_pool_pages: int | None = None
     decode_buckets: tuple[int, ...] | None = None
     deferred_stop: bool | None = None
+    fast_replan: bool = True
 
     def __post_init__(self):
         if self.patterns is not None:

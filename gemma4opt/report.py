@@ -83,6 +83,9 @@ def build_report(model) -> Report:
         attention = (f"paged (page size {ctx.page_size}; {pools}; {ctx.kv_bytes_held() / 2**20:.1f} MiB of KV "
                      f"held; last graph: {calls}/{state.text_config.num_hidden_layers} layers call "
                      f"gemma4opt.paged_attention)")
+        replans = {k: p.replan.summary() for k, p in ctx.plans.items() if getattr(p, "replan", None)}
+        if replans:
+            attention += "; decode-graph plans: " + ", ".join(f"{k.split('_')[0]}: {v}" for k, v in replans.items())
     return Report(state.model_class, state.scope, state.disabled_reason, state.graphs_compiled,
                   state.compiled_calls, state.graphed_calls, dict(state.fallbacks), rows, attention,
                   state.graph_captures, state.graph_warmups, state.stop_check, dict(state.graph_key_changes))

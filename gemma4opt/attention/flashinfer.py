@@ -41,8 +41,10 @@ class KindPlan:
     """One attention kind's FlashInfer wrapper and the geometry it was built for."""
 
     def __init__(self, workspace, num_qo_heads, num_kv_heads, head_dim, page_size, window, dtype, scale=1.0,
-                 last_token_layers=False, max_pages=0):
+                 last_token_layers=False, max_pages=0, fast_replan: bool = True):
         import flashinfer
+
+        from gemma4opt.attention.flashinfer_replan import FastReplan
 
         self.key = next(_keys)
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
@@ -67,6 +69,8 @@ class KindPlan:
         self.graph_wrappers: dict[int, object] = {}
         self.current = self.wrapper
         self._plan_copied: dict[int, torch.cuda.Event] = {}   # wrapper -> event after its plan's copy
+        # Decode graphs' replans skip FlashInfer's Python plan() (self-checked; attention/flashinfer_replan.py).
+        self.replan = FastReplan() if fast_replan else None
         self.decode = False
         self.planned = False
         _PLANS[self.key] = self
@@ -104,21 +108,31 @@ class KindPlan:
             self.current = self._graph_wrapper(bucket)
         else:
             self.current = self.decode_wrapper if self.decode else self.wrapper
-        self._plan(self.current, torch.from_numpy(qo_indptr), kv_indptr_t, kv_indices, last_t, kv_lens_t, max_q)
+        self._plan(self.current, torch.from_numpy(qo_indptr), kv_indptr_t, kv_indices, last_t, kv_lens_t, max_q,
+                   graph=bucket is not None)
         if self.last_wrapper is not None and not self.decode:
             ones = torch.from_numpy(np.arange(B + 1, dtype=np.int32))
             self._plan(self.last_wrapper, ones, kv_indptr_t, kv_indices, last_t, kv_lens_t, 1)
         self.planned = True
 
-    def _plan(self, wrapper, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_lens, max_q) -> None:
+    def _plan(self, wrapper, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_lens, max_q,
+              graph: bool = False) -> None:
         h, kvh, d = self.heads
+        window_left = (self.window - 1) if self.window else -1
         copied = self._plan_copied.get(id(wrapper))
         if copied is not None and not copied.query():
             copied.synchronize()        # the GPU has not yet copied this wrapper's last plan out
-        wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, h, kvh, d, self.page_size, causal=True,
-                     window_left=(self.window - 1) if self.window else -1, sm_scale=self.scale,
-                     q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True,
-                     seq_lens=kv_lens, max_token_per_sequence=max_q)
+
+        def full_plan():
+            wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, h, kvh, d, self.page_size, causal=True,
+                         window_left=window_left, sm_scale=self.scale, q_data_type=self.dtype,
+                         kv_data_type=self.dtype, non_blocking=True, seq_lens=kv_lens, max_token_per_sequence=max_q)
+
+        if graph and self.replan is not None:      # a decode graph's step: fixed buffers, one query per row
+            self.replan.plan(wrapper, full_plan, (h, kvh, d, self.page_size, window_left), kv_indptr, kv_indices,
+                             kv_last_page_len, kv_lens)
+        else:
+            full_plan()
         if self.workspace.is_cuda:
             ev = torch.cuda.Event()
             ev.record()
@@ -145,7 +159,8 @@ def run_planned(plan_key: int, q: torch.Tensor, kv: torch.Tensor, window: int, s
     return plan.current.run(q, kv)
 
 
-def build_plans(text_config, page_size: int, device, dtype, max_pages: int = 0) -> dict[str, KindPlan]:
+def build_plans(text_config, page_size: int, device, dtype, max_pages: int = 0,
+                fast_replan: bool = True) -> dict[str, KindPlan]:
     """One plan per attention kind present in the model, sharing one float workspace."""
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     plans = {}
@@ -157,5 +172,5 @@ def build_plans(text_config, page_size: int, device, dtype, max_pages: int = 0) 
         plans[kind] = KindPlan(workspace, text_config.num_attention_heads, lc.num_key_value_heads, lc.head_dim,
                                page_size, window, dtype,
                                last_token_layers=bool(getattr(text_config, "num_kv_shared_layers", 0)),
-                               max_pages=max_pages)
+                               max_pages=max_pages, fast_replan=fast_replan)
     return plans

@@ -46,6 +46,45 @@ def test_flashinfer_matches_reference_prefill_left_padding_and_decode(head_dim, 
     plan.release()
 
 
+@pytest.mark.parametrize("head_dim,heads,kv_heads,window", [(256, 32, 16, 24), (512, 32, 4, None)])
+def test_fast_replan_equals_flashinfer_plan_in_graph_mode(head_dim, heads, kv_heads, window):
+    """Decode-graph replans without FlashInfer's Python plan() (attention/flashinfer_replan.py):
+    over decode steps whose lengths cross pages and the window, a padded bucket, the same
+    attention output bit for bit as FlashInfer's plan(), the self-check passed, and the fast path
+    ran every step after the first."""
+    pytest.importorskip("flashinfer")
+    from gemma4opt.attention.flashinfer import KindPlan, run_planned
+
+    torch.manual_seed(0)
+    ps, dtype, dev, bucket = 16, torch.bfloat16, "cuda", 4
+    pool = PagePool(256, ps)
+    seqs = PagedSequences(pool, max_batch=3, max_seq_len=512, window=window)
+    kv = torch.randn(256, 2, ps, kv_heads, head_dim, device=dev, dtype=dtype)
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+    fast = KindPlan(ws, heads, kv_heads, head_dim, ps, window, dtype, max_pages=260)
+    full = KindPlan(torch.empty_like(ws), heads, kv_heads, head_dim, ps, window, dtype, max_pages=260,
+                    fast_replan=False)
+    rows = np.arange(3)
+    seqs.step(rows, np.array([37, 5, 70]))
+    for step in range(60):
+        meta = seqs.step(rows, np.ones(3, dtype=np.int64), decode=True)
+        pad = 1                                            # one padding row: a one-token sequence in page 255
+        kv_indptr = np.concatenate([meta.kv_indptr, [meta.kv_indptr[-1] + 1]]).astype(np.int32)
+        last = np.concatenate([meta.kv_last_page_len, [1]]).astype(np.int32)
+        indices = torch.from_numpy(np.concatenate([meta.kv_indices, [255]]).astype(np.int32)).to(dev)
+        q = torch.randn(3 + pad, heads, head_dim, device=dev, dtype=dtype)
+        outs = []
+        for p in (full, fast):
+            p.plan(np.arange(bucket + 1), kv_indptr, last, indices, bucket=bucket)
+            outs.append(run_planned(p.key, q, kv, window or -1, 1.0))
+        assert torch.equal(outs[0], outs[1]), step
+    r = fast.replan
+    print(f"head_dim {head_dim}: {r.summary()}")
+    assert not r.off and r.fast_plans == 59
+    fast.release()
+    full.release()
+
+
 def _gen(model, ids, mask, new):
     with torch.no_grad():
         return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
