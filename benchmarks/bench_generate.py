@@ -119,10 +119,14 @@ def main(argv=None):
             row = dict(preset=args.preset, layers=cfg.num_hidden_layers, batch=b, prompt=args.prompt, new=args.new,
                        system=system, warmup_s=warm, ttft_ms=ttft, ms_per_step=ms, tok_s=b * 1e3 / ms, roofline_ms=roof[b],
                        roofline_frac=roof[b] / ms, tokens_equal_eager=same)
+            ctx = getattr(getattr(sys_model, "_gemma4opt", None), "context", None)
+            if ctx is not None and ctx.last_kv_held[1]:       # paged: KV a sequence held at the end of generate
+                row["kv_mib_per_seq"] = ctx.last_kv_held[0] / ctx.last_kv_held[1] / 2**20
             vs_e = res["eager"]["ms_per_step"] / ms if "eager" in res else float("nan")
             vs_s = res["static_compile"]["ms_per_step"] / ms if "static_compile" in res else float("nan")
             print(f"{b:>5} {system:>18} {warm:>9.1f} {ttft:>9.1f} {ms:>9.2f} {row['tok_s']:>9.1f} {row['roofline_frac']:>8.0%} "
-                  f"{vs_e:>8.2f}x {vs_s:>8.2f}x {same}   (roofline {roof[b]:.2f} ms)", flush=True)
+                  f"{vs_e:>8.2f}x {vs_s:>8.2f}x {same}   (roofline {roof[b]:.2f} ms"
+                  + (f"; KV {row['kv_mib_per_seq']:.1f} MiB/seq" if "kv_mib_per_seq" in row else "") + ")", flush=True)
             rows.append(row)
         if system in GEMMA4OPT_SYSTEMS:
             gemma4opt.report(sys_model)

@@ -80,8 +80,11 @@ def build_report(model) -> Report:
                           for k, s in ctx.seqs.items())
         counts = state.pass_manager.op_counts
         calls = counts[-1]["gemma4opt.paged_attention"] if counts else 0
+        held, seqs = ctx.last_kv_held
+        last = f"; the last generate held {held / 2**20:.1f} MiB at its end ({held / max(seqs, 1) / 2**20:.2f} MiB per sequence)" \
+            if seqs else ""
         attention = (f"paged (page size {ctx.page_size}; {pools}; {ctx.kv_bytes_held() / 2**20:.1f} MiB of KV "
-                     f"held; last graph: {calls}/{state.text_config.num_hidden_layers} layers call "
+                     f"held{last}; last graph: {calls}/{state.text_config.num_hidden_layers} layers call "
                      f"gemma4opt.paged_attention)")
         replans = {k: p.replan.summary() for k, p in ctx.plans.items() if getattr(p, "replan", None)}
         if replans:

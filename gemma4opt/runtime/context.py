@@ -68,6 +68,7 @@ class StepContext:
         self.plan_key = {k: (self.plans[k].key if k in self.plans else -1) for k in KINDS}
         self.unused = torch.zeros(0, dtype=torch.int32, device=device)
         self.active = False
+        self.last_kv_held = (0, 0)  # (bytes, sequences) when the last generate released its pages
         self.owner = None           # the PagedCache whose rows are in the page tables
         self.meta: dict[str, dict[str, torch.Tensor]] = {}
         self.token_index: torch.Tensor | None = None
@@ -138,6 +139,9 @@ class StepContext:
 
     def release(self, cache) -> None:
         if cache.rows is not None:
+            # What a generate held at its end: full layers every token, sliding layers only the
+            # pages their window still sees (the report and benchmarks show it per sequence).
+            self.last_kv_held = (self.kv_bytes_held(), len(cache.rows))
             for kind in KINDS:
                 self.seqs[kind].release(cache.rows)
         if self.owner is cache:

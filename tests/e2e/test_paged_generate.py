@@ -56,6 +56,12 @@ def test_sliding_pages_are_freed_during_long_generation():
     # the window (8 tokens) never needs more than ceil(8 / 4) + 1 pages; full layers keep everything
     assert max(held["sliding"][5:]) <= -(-WINDOW // ps) + 1
     assert held["full"][-1] == -(-(5 + 59) // ps)
+    # What the report and benchmarks call the KV a sequence held at the end of generate.
+    page_bytes = {layer: t[0].numel() * t.element_size() for layer, t in ctx.kv.items()}
+    want = sum(b * held["sliding" if ctx.layer_kind[layer] == "sliding_attention" else "full"][-1]
+               for layer, b in page_bytes.items())
+    assert ctx.last_kv_held == (want, 1)
+    assert f"({want / 2**20:.2f} MiB per sequence)" in gemma4opt.report(model, print_table=False).attention
 
 
 def test_pool_exhaustion_is_a_clear_error_and_pages_come_back():
