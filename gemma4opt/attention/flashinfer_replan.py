@@ -54,19 +54,21 @@ class FastReplan:
         self.full_plans += 1
         if mode is not None:
             return                       # off for this wrapper
-        reason = self._check(wrapper, geometry, kv_indptr, kv_indices, last, kv_lens)
+        missing = [a for a in _ATTRS if not hasattr(wrapper, a)]
+        if missing:
+            reason = f"this FlashInfer's wrapper lacks {missing}"
+        elif wrapper._backend != "fa2" or not getattr(wrapper, "is_cuda_graph_enabled", False):
+            reason = f"backend {wrapper._backend!r} or not in CUDA-graph mode"
+        else:
+            reason = self._check(wrapper, geometry, kv_indptr, kv_indices, last, kv_lens)
+            if reason is not None:
+                full_plan()              # the fast one ran: FlashInfer's data must be what the GPU copies last
+                self.full_plans += 1
         self._mode[key] = "fast" if reason is None else "off"
         if reason is not None:
             self.off[reason] += 1
-            full_plan()                  # its staging data is what the GPU copies last
-            self.full_plans += 1
 
     def _check(self, wrapper, geometry, kv_indptr, kv_indices, last, kv_lens) -> str | None:
-        missing = [a for a in _ATTRS if not hasattr(wrapper, a)]
-        if missing:
-            return f"this FlashInfer's wrapper lacks {missing}"
-        if wrapper._backend != "fa2" or not getattr(wrapper, "is_cuda_graph_enabled", False):
-            return f"backend {wrapper._backend!r} or not in CUDA-graph mode"
         want_info, pinned = wrapper._plan_info, wrapper._pin_memory_int_workspace_buffer
         want_staged = pinned.clone()
         try:

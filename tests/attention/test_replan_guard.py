@@ -61,3 +61,4 @@ def test_unknown_wrapper_or_failing_planner_stays_full():
     del w2._kv_lens_buffer
     _step(r2, w2, full2)
     assert r2.fast_plans == 0 and any("lacks ['_kv_lens_buffer']" in k for k in r2.off)
+    assert w2.full_plans == 1                 # nothing was replanned, so nothing to plan again
