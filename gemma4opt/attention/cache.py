@@ -63,6 +63,8 @@ class PagedCache(Cache):
         if tokens_to_remove > 0:
             raise ValueError(f"PagedCache.crop({tokens_to_remove}): only crop(-n) (drop the last n tokens) and "
                              "crop(0) are supported, as HF generate's deferred stop check uses them")
+        if tokens_to_remove == 0:
+            return                          # every decode step: nothing to do, and no loop over the layers
         for layer in self.layers:
             layer.cumulative_length = max(layer.cumulative_length + tokens_to_remove, 0)
 
