@@ -86,7 +86,7 @@ def build_report(model) -> Report:
         attention = (f"paged (page size {ctx.page_size}; {pools}; {ctx.kv_bytes_held() / 2**20:.1f} MiB of KV "
                      f"held{last}; last graph: {calls}/{state.text_config.num_hidden_layers} layers call "
                      f"gemma4opt.paged_attention)")
-        replans = {k: p.replan.summary() for k, p in ctx.plans.items() if getattr(p, "replan", None)}
+        replans = {k: p.replan.summary() for k, p in ctx.plans.items() if p.replan is not None}
         if replans:
             attention += "; decode-graph plans: " + ", ".join(f"{k.split('_')[0]}: {v}" for k, v in replans.items())
     return Report(state.model_class, state.scope, state.disabled_reason, state.graphs_compiled,

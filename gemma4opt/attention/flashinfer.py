@@ -5,7 +5,7 @@ int32 tensors for qo_indptr, kv_indptr and last_page_len (FlashInfer moves them 
 otherwise: a device->host sync per plan) and the device copy of kv_indices from the step's one
 staged copy. Every layer of that kind then runs on the same plan; KV-shared layers read their
 producer's pages with it. Sliding and full layers need separate wrappers anyway: FlashInfer
-bakes ``window_left`` into the plan. Head dims: 256 (FA3 on Hopper) and 512 (FA2; FA3 has no
+bakes ``window_left`` into the plan. Head dims: 256 (prefill on FA3 on Hopper) and 512 (FA2; FA3 has no
 512). ``window_left = window - 1`` matches HF's bound (a query sees itself and window-1 keys back).
 
 Registered under an int key so the custom op (which takes no Python objects) can find its plan.
@@ -49,6 +49,7 @@ class KindPlan:
         self.key = next(_keys)
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.page_size, self.window, self.dtype, self.scale = page_size, window, dtype, scale
+        self.window_left = (window - 1) if window else -1     # HF's bound: the query and window-1 keys back
         self.workspace, self.max_pages = workspace, max_pages
         # Prefill: FA3 on Hopper where it exists (head_dim <= 256). Decode: FA2, whose planner
         # splits each sequence's KV across CTAs; FA3 runs one query row per CTA over the whole
@@ -118,19 +119,18 @@ class KindPlan:
     def _plan(self, wrapper, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_lens, max_q,
               graph: bool = False) -> None:
         h, kvh, d = self.heads
-        window_left = (self.window - 1) if self.window else -1
         copied = self._plan_copied.get(id(wrapper))
         if copied is not None and not copied.query():
             copied.synchronize()        # the GPU has not yet copied this wrapper's last plan out
 
         def full_plan():
             wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, h, kvh, d, self.page_size, causal=True,
-                         window_left=window_left, sm_scale=self.scale, q_data_type=self.dtype,
+                         window_left=self.window_left, sm_scale=self.scale, q_data_type=self.dtype,
                          kv_data_type=self.dtype, non_blocking=True, seq_lens=kv_lens, max_token_per_sequence=max_q)
 
         if graph and self.replan is not None:      # a decode graph's step: fixed buffers, one query per row
-            self.replan.plan(wrapper, full_plan, (h, kvh, d, self.page_size, window_left), kv_indptr, kv_indices,
-                             kv_last_page_len, kv_lens)
+            self.replan.plan(wrapper, full_plan, (h, kvh, d, self.page_size, self.window_left), qo_indptr, kv_indptr,
+                             kv_indices, kv_last_page_len, kv_lens)
         else:
             full_plan()
         if self.workspace.is_cuda:

@@ -36,18 +36,18 @@ class FastReplan:
         self.full_plans = 0
         self.off: collections.Counter = collections.Counter()
 
-    def plan(self, wrapper, full_plan, geometry, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-             last: torch.Tensor, kv_lens: torch.Tensor) -> None:
+    def plan(self, wrapper, full_plan, geometry, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+             kv_indices: torch.Tensor, last: torch.Tensor, kv_lens: torch.Tensor) -> None:
         """Plan one decode step of ``wrapper`` (CUDA-graph mode, one query per row).
 
         ``full_plan()`` runs FlashInfer's ``plan()`` for this step; ``geometry`` is
         (num_qo_heads, num_kv_heads, head_dim, page_size, window_left); the tensors are the
-        step's host int32 arrays, kv_indices on the device.
+        step's host int32 arrays (``plan()``'s own arguments), kv_indices on the device.
         """
         key = id(wrapper)
         mode = self._mode.get(key)
         if mode == "fast":
-            self._replan(wrapper, geometry, kv_indptr, kv_indices, last, kv_lens)
+            self._replan(wrapper, geometry, qo_indptr, kv_indptr, kv_indices, last, kv_lens)
             self.fast_plans += 1
             return
         full_plan()
@@ -60,7 +60,7 @@ class FastReplan:
         elif wrapper._backend != "fa2" or not getattr(wrapper, "is_cuda_graph_enabled", False):
             reason = f"backend {wrapper._backend!r} or not in CUDA-graph mode"
         else:
-            reason = self._check(wrapper, geometry, kv_indptr, kv_indices, last, kv_lens)
+            reason = self._check(wrapper, geometry, qo_indptr, kv_indptr, kv_indices, last, kv_lens)
             if reason is not None:
                 full_plan()              # the fast one ran: FlashInfer's data must be what the GPU copies last
                 self.full_plans += 1
@@ -68,11 +68,11 @@ class FastReplan:
         if reason is not None:
             self.off[reason] += 1
 
-    def _check(self, wrapper, geometry, kv_indptr, kv_indices, last, kv_lens) -> str | None:
+    def _check(self, wrapper, geometry, qo_indptr, kv_indptr, kv_indices, last, kv_lens) -> str | None:
         want_info, pinned = wrapper._plan_info, wrapper._pin_memory_int_workspace_buffer
         want_staged = pinned.clone()
         try:
-            self._replan(wrapper, geometry, kv_indptr, kv_indices, last, kv_lens)
+            self._replan(wrapper, geometry, qo_indptr, kv_indptr, kv_indices, last, kv_lens)
         except Exception as e:          # an API this code does not know
             return f"replan failed ({type(e).__name__}: {e})"
         if _as_list(wrapper._plan_info) != _as_list(want_info):
@@ -82,7 +82,7 @@ class FastReplan:
         return None
 
     @staticmethod
-    def _replan(wrapper, geometry, kv_indptr, kv_indices, last, kv_lens) -> None:
+    def _replan(wrapper, geometry, qo_indptr, kv_indptr, kv_indices, last, kv_lens) -> None:
         h, kvh, d, page_size, window_left = geometry
         batch = len(last)
         wrapper._paged_kv_indptr_buf.copy_(kv_indptr, non_blocking=True)
@@ -91,7 +91,6 @@ class FastReplan:
         wrapper._kv_lens_buffer[:batch].copy_(kv_lens, non_blocking=True)
         wrapper._max_kv_len = int(np.max(kv_lens.numpy())) if batch else 0
         wrapper._seq_lens_kv = kv_lens
-        qo_indptr = torch.arange(batch + 1, dtype=torch.int32)   # decode: one query per row
         wrapper._plan_info = wrapper._cached_module.plan(
             wrapper._float_workspace_buffer, wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer,
             qo_indptr, kv_indptr, kv_lens, wrapper._max_total_num_rows or batch, batch, h, kvh, page_size,
