@@ -134,7 +134,7 @@ def optimize(model, config: Gemma4OptConfig | None = None):
     dyn = torch._dynamo.config
     dyn.recompile_limit = max(dyn.recompile_limit, _RECOMPILE_LIMIT)
     patterns = build_patterns()
-    enabled = [patterns[n] for n in cfg.enabled_patterns()]
+    enabled = [patterns[n] for n in cfg.enabled_patterns() if cfg.attention == "paged" or not patterns[n].paged_only]
     for p in enabled:
         state.stats[p.name] = PatternStats(p.name, p.summary, p.expected(text_config, scope))
         p.prepare(target, text_config)

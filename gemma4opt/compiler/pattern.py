@@ -49,6 +49,7 @@ class Pattern:
 
     name: str = ""
     summary: str = ""
+    paged_only: bool = False      # matches ops that exist only with attention="paged"
 
     def expected(self, text_config, scope: str) -> int:
         """Matches a fully fused graph has, as a formula of the config (per captured graph)."""

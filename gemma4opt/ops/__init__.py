@@ -5,6 +5,7 @@ from gemma4opt.ops import (  # noqa: F401
     linear_softcap,
     moe_router,
     paged_attention,
+    qkv_norm_rope_append,
     rms_norm,
     rms_norm_rope,
 )

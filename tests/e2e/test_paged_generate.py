@@ -35,6 +35,13 @@ def test_tokens_equal_eager_below_at_past_window_with_left_padding(variant):
     rep = gemma4opt.report(model, print_table=False)
     assert all(r.complete for r in rep.rows)
     L = model.config.num_hidden_layers
+    # q/k/v prep + KV append fused in every layer that owns KV; KV-shared layers rotate q only.
+    shared = model.config.num_kv_shared_layers or 0
+    st = model._gemma4opt
+    assert set(st.stats["paged_qkv"].matched_per_graph) == {L - shared}
+    for ops in st.pass_manager.op_counts:
+        assert ops["gemma4opt.qkv_norm_rope_append"] == L - shared and ops["gemma4opt.kv_append"] == 0, ops
+        assert ops["gemma4opt.rms_norm_rope"] == shared, ops
     assert f"{L}/{L} layers call gemma4opt.paged_attention" in rep.attention
 
 

@@ -1,0 +1,80 @@
+"""Triton q/k/v prep + paged KV append for one layer, in one launch.
+
+Unfused, a decode step spends four launches per layer here (q norm+RoPE, k norm+RoPE, v norm,
+kv_append), each a few µs of mostly latency at batch 1. One grid covers both jobs: the first
+programs take (token, q-head block) and write q; the rest take (real token, kv-head block),
+normalize and rotate K, normalize V, and store both straight into the token's page slot.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gemma4opt.kernels.rms_norm_rope import expand_cos_sin, head_block, norm_rope_tile
+
+
+@triton.jit
+def _qkv_norm_rope_append_kernel(
+        Q, WQ, K, WK, V, C, Sn, QO, KV, TOKEN_INDEX, SLOTS, S, HQ, HK, NQ_PROGRAMS, QBLOCKS, KBLOCKS,
+        sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, scb, scs, ssb, sss,
+        s_page, s_kv, s_slot, s_head, PAGE_SIZE, D, HALF, eps, HB: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    cmask = cols < HALF
+    dt = QO.dtype.element_ty
+    if pid < NQ_PROGRAMS:                          # q: every row of the step
+        tok = (pid // QBLOCKS).to(tl.int64)
+        heads = (pid % QBLOCKS) * HB + tl.arange(0, HB)
+        hmask = heads < HQ
+        b, s = tok // S, tok % S
+        o1, o2 = norm_rope_tile(Q + b * sqb + s * sqs, sqh, WQ, C + b * scb + s * scs, Sn + b * ssb + s * sss,
+                                heads, cols, hmask, cmask, HALF, D, eps, dt)
+        mask = hmask[:, None] & cmask[None, :]
+        op = QO + (tok * HQ + heads[:, None].to(tl.int64)) * D + cols[None, :]
+        tl.store(op, o1.to(dt), mask=mask)
+        tl.store(op + HALF, o2.to(dt), mask=mask)
+    else:                                          # k/v: the real tokens only, into their slots
+        p = pid - NQ_PROGRAMS
+        i = p // KBLOCKS
+        heads = (p % KBLOCKS) * HB + tl.arange(0, HB)
+        hmask = heads < HK
+        mask = hmask[:, None] & cmask[None, :]
+        src = tl.load(TOKEN_INDEX + i).to(tl.int64)
+        b, s = src // S, src % S
+        slot = tl.load(SLOTS + i).to(tl.int64)
+        kvt = KV.dtype.element_ty
+        dst = KV + (slot // PAGE_SIZE) * s_page + (slot % PAGE_SIZE) * s_slot \
+            + heads[:, None].to(tl.int64) * s_head + cols[None, :]
+        k1, k2 = norm_rope_tile(K + b * skb + s * sks, skh, WK, C + b * scb + s * scs, Sn + b * ssb + s * sss,
+                                heads, cols, hmask, cmask, HALF, D, eps, dt)
+        tl.store(dst, k1.to(dt).to(kvt), mask=mask)
+        tl.store(dst + HALF, k2.to(dt).to(kvt), mask=mask)
+        vp = V + b * svb + s * svs + heads[:, None].to(tl.int64) * svh + cols[None, :]
+        v1 = tl.load(vp, mask=mask, other=0.0).to(tl.float32)
+        v2 = tl.load(vp + HALF, mask=mask, other=0.0).to(tl.float32)
+        inv = 1.0 / tl.sqrt((tl.sum(v1 * v1, axis=1) + tl.sum(v2 * v2, axis=1)) / D + eps)
+        tl.store(dst + s_kv, (v1 * inv[:, None]).to(dt).to(kvt), mask=mask)
+        tl.store(dst + s_kv + HALF, (v2 * inv[:, None]).to(dt).to(kvt), mask=mask)
+
+
+def qkv_norm_rope_append_triton(kv, q, q_weight, k, k_weight, v, cos, sin, eps, slot_mapping, token_index):
+    """kv [pages, 2, page_size, kv_heads, D]; q/k/v [B, S, heads, D] (unit stride on D or copied)."""
+    B, S, HQ, D = q.shape
+    HK = k.shape[2]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    cos, sin = expand_cos_sin(cos, sin, B, S, D)
+    out = torch.empty((B, S, HQ, D), dtype=q.dtype, device=q.device)
+    n = token_index.shape[0]
+    if B * S == 0:
+        return out
+    hb, block, warps = head_block(B * S + n, max(HQ, HK), D // 2)
+    qblocks, kblocks = triton.cdiv(HQ, hb), triton.cdiv(HK, hb)
+    nq = B * S * qblocks
+    _qkv_norm_rope_append_kernel[(nq + n * kblocks,)](
+        q, q_weight, k, k_weight, v, cos, sin, out, kv, token_index, slot_mapping, S, HQ, HK, nq, qblocks, kblocks,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), kv.shape[2], D, D // 2, eps,
+        HB=hb, BLOCK=block, num_warps=warps)
+    return out

@@ -1,0 +1,57 @@
+import pytest
+import torch
+
+from gemma4opt.kernels.qkv_norm_rope_append import qkv_norm_rope_append_triton
+from gemma4opt.ops.qkv_norm_rope_append import qkv_norm_rope_append_reference
+from tests.kernels.conftest import DEVICE, DTYPES, close
+from tests.kernels.test_rms_norm_rope_kernel import _cos_sin
+
+
+def _case(dtype, B, S, HQ, HK, D, ps, k_eq_v=False, padded=0, partial=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nv = 0 if k_eq_v else HK * D
+    # q/k/v are head views of one merged projection output, as the pattern hands them over.
+    qkv = (torch.randn(B, S, HQ * D + HK * D + nv, generator=g) * 2).to(dtype).to(DEVICE)
+    q = qkv[..., :HQ * D].view(B, S, HQ, D)
+    k = qkv[..., HQ * D:HQ * D + HK * D].view(B, S, HK, D)
+    v = k if k_eq_v else qkv[..., HQ * D + HK * D:].view(B, S, HK, D)
+    wq = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(DEVICE)
+    wk = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(DEVICE)
+    cos, sin = _cos_sin(B, S, D, dtype, partial)
+    n = B * S - padded                                     # the first rows are left padding
+    token_index = torch.arange(padded, B * S, dtype=torch.int32).to(DEVICE)
+    pages = (B * S) // ps + 2
+    slots = torch.randperm(pages * ps, generator=g)[:n].to(DEVICE)
+    pool = torch.randn(pages, 2, ps, HK, D, generator=g).to(dtype).to(DEVICE)
+    return pool, (q, wq, k, wk, v, cos, sin, 1e-6, slots, token_index)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,S,HQ,HK,D,ps,k_eq_v,padded,partial", [
+    (1, 1, 3, 1, 16, 4, False, 0, 1.0),       # one decode token
+    (2, 5, 4, 2, 32, 3, False, 3, 0.25),      # prefill with left padding, odd page size
+    (3, 1, 6, 3, 24, 16, True, 0, 1.0),       # K = V projection
+    (1, 3, 2, 1, 512, 2, True, 1, 0.25),      # full-layer head_dim, proportional RoPE
+    (2, 2, 5, 5, 256, 5, False, 0, 1.0),
+])
+def test_matches_unfused_reference(dtype, B, S, HQ, HK, D, ps, k_eq_v, padded, partial):
+    pool, args = _case(dtype, B, S, HQ, HK, D, ps, k_eq_v, padded, partial, seed=B * S + D)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want_q = qkv_norm_rope_append_reference(want_pool, *args)
+    got_q = qkv_norm_rope_append_triton(got_pool, *args)
+    close(got_q, want_q, dtype)
+    close(got_pool, want_pool, dtype)
+    written = torch.zeros(pool.shape[0] * pool.shape[2], dtype=torch.bool, device=DEVICE)
+    written[args[-2]] = True
+    untouched = ~written.view(pool.shape[0], pool.shape[2])[:, None].expand(-1, 2, -1)
+    assert torch.equal(got_pool[untouched], pool[untouched])     # no slot but the step's is written
+    assert not torch.equal(got_pool, pool)
+
+
+def test_many_tokens_use_head_blocks():
+    # Enough rows that programs take several heads each: same results as one head per program.
+    pool, args = _case(torch.float32, 4, 80, 8, 4, 16, 16, seed=3)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    close(qkv_norm_rope_append_triton(got_pool, *args), qkv_norm_rope_append_reference(want_pool, *args),
+          torch.float32)
+    close(got_pool, want_pool, torch.float32)

@@ -1,0 +1,85 @@
+"""paged_qkv on a hand-traced graph of the ops the paged attention path emits: numerics, refusals."""
+import torch
+import torch.fx as fx
+
+import gemma4opt.ops  # noqa: F401  (registers torch.ops.gemma4opt)
+from gemma4opt.compiler.pattern import PassContext
+from gemma4opt.compiler.regions import op_name
+from patterns.paged_qkv import PagedQKVPattern
+
+ops = torch.ops.gemma4opt
+
+
+def _layer_fn(eps_v=1e-6, leak_v=False):
+    """What a Gemma-4 attention layer over the paged cache looks like after norm_rope."""
+    def layer(kv, xq, wq, xk, wk, xv, cos, sin, slots, tok, indptr, indices, last, start, lens, new):
+        return _layer(kv, xq, wq, xk, wk, xv, cos, sin, slots, tok, (indptr, indices, last, start, lens, new), eps_v,
+                      leak_v)
+    return layer
+
+
+def _layer(kv, xq, wq, xk, wk, xv, cos, sin, slots, tok, meta, eps_v, leak_v):
+    q = ops.rms_norm_rope.default(xq, wq, cos.unsqueeze(2), sin.unsqueeze(2), 1e-6).transpose(1, 2)
+    k = ops.rms_norm_rope.default(xk, wk, cos.unsqueeze(2), sin.unsqueeze(2), 1e-6).transpose(1, 2)
+    v_normed = ops.rms_norm.default(xv, None, eps_v)
+    v = v_normed.transpose(1, 2)
+    ops.kv_append(kv, k.transpose(1, 2), v.transpose(1, 2), slots, tok)
+    out = ops.paged_attention(q.transpose(1, 2), kv, *meta, tok, -1, 1.0, -1)
+    return (out, v_normed.sum()) if leak_v else out
+
+
+def _inputs(B=2, H=4, HK=2, D=16, ps=4, k_eq_v=False):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(B, 1, (H + 2 * HK) * D, generator=g)
+    xq, xk = x[..., :H * D].view(B, 1, H, D), x[..., H * D:(H + HK) * D].view(B, 1, HK, D)
+    xv = xk if k_eq_v else x[..., (H + HK) * D:].view(B, 1, HK, D)
+    pos = torch.tensor([[2.0], [5.0]])[:B, :, None] * torch.linspace(0.1, 1, D)
+    kv = torch.randn(B, 2, ps, HK, D, generator=g)     # one page per sequence, 2 tokens already there
+    i32 = dict(dtype=torch.int32)
+    meta = (torch.arange(B + 1, **i32), torch.arange(B, **i32), torch.full((B,), 3, **i32),
+            torch.zeros(B, **i32), torch.full((B,), 3, **i32), torch.ones(B, **i32))
+    slots = torch.arange(B) * ps + 2
+    return [kv, xq, torch.randn(D, generator=g), xk, torch.randn(D, generator=g), xv, pos.cos(), pos.sin(), slots,
+            torch.arange(B, **i32), *meta]
+
+
+def _rewrite(fn):
+    gm = fx.symbolic_trace(fn)
+    res = PagedQKVPattern().apply(gm, PassContext(root=gm, text_config=None, scope="causal_lm", gm=gm))
+    gm.graph.lint()
+    gm.recompile()
+    return gm, res
+
+
+def _check_numerics(fn, inputs):
+    gm, res = _rewrite(fn)
+    want_kv, got_kv = inputs[0].clone(), inputs[0].clone()
+    want = fn(want_kv, *inputs[1:])
+    got = gm(got_kv, *inputs[1:])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_kv, want_kv, rtol=0, atol=0)
+    return gm, res
+
+
+def test_fuses_one_layer_with_same_numerics_and_nothing_left():
+    gm, res = _check_numerics(_layer_fn(), _inputs())
+    assert res.matched == 1 and res.unfused == []
+    names = [op_name(n) for n in gm.graph.nodes]
+    assert names.count("qkv_norm_rope_append.default") == 1
+    for gone in ("kv_append", "rms_norm_rope.default", "rms_norm.default", "transpose"):
+        assert gone not in names, names
+
+
+def test_k_eq_v_layer_fuses():
+    _, res = _check_numerics(_layer_fn(), _inputs(k_eq_v=True))
+    assert res.matched == 1
+
+
+def test_refuses_when_normed_v_is_used_elsewhere():
+    _, res = _check_numerics(_layer_fn(leak_v=True), _inputs())
+    assert res.matched == 0 and "used elsewhere" in res.unfused[0]
+
+
+def test_refuses_different_eps():
+    _, res = _check_numerics(_layer_fn(eps_v=1e-5), _inputs())
+    assert res.matched == 0 and "different eps" in res.unfused[0]
