@@ -5,10 +5,15 @@
 
 Per attention kind (sliding: 32 q / 16 kv heads, head_dim 256, window 1024; full: 32 q / 4 kv
 heads, head_dim 512) and per way of running one decode query per sequence over paged KV:
-``prefill`` (BatchPrefillWithPagedKVCacheWrapper, what gemma4opt runs), ``decode``
+``prefill`` (BatchPrefillWithPagedKVCacheWrapper, FA3 where it exists), ``fa2`` (the same on FA2:
+what gemma4opt's decode graphs run), ``decode``
 (BatchDecodeWithPagedKVCacheWrapper on CUDA cores) and ``decode-tc`` (the same with tensor
 cores). Each is timed as a CUDA graph of 20 runs (no launch or Python overhead), and the KV bytes
 a step must read (window-limited) over that time is compared with the measured copy bandwidth.
+
+``--split`` (``fa2`` only) sets how FlashInfer splits each sequence's KV across CTAs: ``auto``
+(its planner: chunks of at least 128 tokens), ``off`` (one CTA per sequence and kv head, no merge
+kernel), or ``cN`` (N chunks per sequence, via fixed_split_size).
 """
 from __future__ import annotations
 
@@ -33,9 +38,10 @@ def _wrapper(variant, workspace, batch, max_pages, head_dim):
     def buf(n):
         return torch.empty(n, dtype=torch.int32, device="cuda")
 
-    if variant == "prefill":
-        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(   # as gemma4opt builds it (attention/flashinfer.py)
-            workspace, "NHD", backend="fa2" if head_dim > 256 else "auto", use_cuda_graph=True, qo_indptr_buf=buf(batch + 1), paged_kv_indptr_buf=buf(batch + 1),
+    if variant in ("prefill", "fa2"):
+        backend = "fa2" if head_dim > 256 or variant == "fa2" else "auto"
+        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            workspace, "NHD", backend=backend, use_cuda_graph=True, qo_indptr_buf=buf(batch + 1), paged_kv_indptr_buf=buf(batch + 1),
             paged_kv_indices_buf=buf(max_pages), paged_kv_last_page_len_buf=buf(batch))
     return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         workspace, "NHD", use_cuda_graph=True, use_tensor_cores=variant == "decode-tc",
@@ -43,7 +49,15 @@ def _wrapper(variant, workspace, batch, max_pages, head_dim):
         paged_kv_last_page_len_buffer=buf(batch))
 
 
-def run_case(kind, variant, batch, context, workspace, bw, reps=20):
+def _split_args(split, pages_per_seq):
+    if split == "auto":
+        return {}
+    if split == "off":
+        return dict(disable_split_kv=True)
+    return dict(fixed_split_size=-(-pages_per_seq // int(split[1:])))
+
+
+def run_case(kind, variant, batch, context, workspace, bw, reps=20, split="auto"):
     g = KINDS[kind]
     h, kvh, d, window = g["heads"], g["kv_heads"], g["head_dim"], g["window"]
     pages_per_seq = -(-context // PAGE)
@@ -56,9 +70,9 @@ def run_case(kind, variant, batch, context, workspace, bw, reps=20):
     w = _wrapper(variant, workspace, batch, n_pages, d)
     common = dict(window_left=window - 1 if window else -1, sm_scale=1.0, q_data_type=torch.bfloat16,
                   kv_data_type=torch.bfloat16)
-    if variant == "prefill":
+    if variant in ("prefill", "fa2"):
         w.plan(torch.arange(batch + 1, dtype=torch.int32), indptr, indices, last, h, kvh, d, PAGE, causal=True,
-               **common)
+               **common, **(_split_args(split, pages_per_seq) if variant == "fa2" else {}))
     else:
         w.plan(indptr, indices, last, h, kvh, d, PAGE, **common)
     w.run(q, kv)                                     # JIT / warm-up outside the graph
@@ -80,7 +94,8 @@ def run_case(kind, variant, batch, context, workspace, bw, reps=20):
     us = min(times)
     seen = min(context, window) if window else context
     kv_bytes = batch * seen * kvh * d * 2 * 2
-    return dict(kind=kind, variant=variant, batch=batch, context=context, us=us, kv_mb=kv_bytes / 1e6,
+    return dict(kind=kind, variant=variant if variant != "fa2" else f"fa2-{split}", batch=batch, context=context,
+                us=us, kv_mb=kv_bytes / 1e6,
                 gb_s=kv_bytes / us / 1e3, bw_frac=kv_bytes / (us * 1e-6) / bw)
 
 
@@ -90,7 +105,8 @@ def main(argv=None):
     ap.add_argument("--context", type=int, nargs="+", default=[160, 4096])
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     ap.add_argument("--variants", nargs="+", default=["prefill", "decode", "decode-tc"],
-                    choices=["prefill", "decode", "decode-tc"])
+                    choices=["prefill", "fa2", "decode", "decode-tc"])
+    ap.add_argument("--split", nargs="+", default=["auto"], help="fa2 only: auto, off, or cN (N chunks per sequence)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     bw = copy_bandwidth("cuda")
@@ -99,17 +115,19 @@ def main(argv=None):
     print(f"{'kind':>8} {'variant':>10} {'batch':>5} {'context':>7} {'us':>8} {'KV MB':>8} {'GB/s':>7} {'of copy':>7}")
     rows = []
     for kind in args.kinds:
-        for variant in args.variants:
+        for variant in [v if v != "fa2" else f"fa2:{sp}" for v in args.variants for sp in
+                        (args.split if v == "fa2" else [None])]:
+            variant, _, split = variant.partition(":")
             for context in args.context:
                 for batch in args.batch:
                     try:
-                        r = run_case(kind, variant, batch, context, workspace, bw)
+                        r = run_case(kind, variant, batch, context, workspace, bw, split=split or "auto")
                     except Exception as e:      # a variant FlashInfer lacks for this geometry
-                        print(f"{kind:>8} {variant:>10} {batch:>5} {context:>7}  unsupported: {type(e).__name__}: "
+                        print(f"{kind:>8} {variant + (split and '-' + split):>10} {batch:>5} {context:>7}  unsupported: {type(e).__name__}: "
                               f"{str(e).splitlines()[0][:120] if str(e) else ''}", flush=True)
                         continue
                     rows.append(r)
-                    print(f"{kind:>8} {variant:>10} {batch:>5} {context:>7} {r['us']:>8.1f} {r['kv_mb']:>8.1f} "
+                    print(f"{kind:>8} {r['variant']:>10} {batch:>5} {context:>7} {r['us']:>8.1f} {r['kv_mb']:>8.1f} "
                           f"{r['gb_s']:>7.0f} {r['bw_frac']:>6.0%}", flush=True)
     if args.json:
         with open(args.json, "a") as f:

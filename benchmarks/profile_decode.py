@@ -21,9 +21,11 @@ CATEGORIES = [("gemm", ("nvjet", "gemm", "splitKreduce", "cutlass_80_tensorop", 
               ("other", ("",))]
 
 
-def print_categories(avgs, steps):
-    """Device self time per category and kernel launches, per generated token."""
+def print_categories(avgs, steps, top=8):
+    """Device self time per category and kernel launches, per generated token; then, outside the
+    GEMMs, each category's biggest kernels (what a fusion or a launch saved would go after)."""
     totals = {name: [0.0, 0] for name, _ in CATEGORIES}
+    kernels = {name: [] for name, _ in CATEGORIES}
     for e in avgs:
         dev = getattr(e, "self_device_time_total", 0)
         if dev <= 0 or e.cpu_time_total > 0 or e.key.startswith("Torch-Compiled"):
@@ -31,9 +33,16 @@ def print_categories(avgs, steps):
         name = next(n for n, frags in CATEGORIES if any(f in e.key for f in frags))
         totals[name][0] += dev
         totals[name][1] += e.count
+        kernels[name].append((dev, e.count, e.key))
     print("device time per token by kernel category (us; launches):")
     for name, (dev, n) in totals.items():
         print(f"  {name:>18} {dev / steps:9.1f} us  {n / steps:7.1f} launches")
+    for name, rows in kernels.items():
+        if name == "gemm":
+            continue
+        print(f"  {name}: top kernels (us per token, launches per token, us per launch)")
+        for dev, n, key in sorted(rows, reverse=True)[:top]:
+            print(f"    {dev / steps:8.1f} {n / steps:6.1f} {dev / n:7.2f}  {key[:90]}")
 
 
 def main(argv=None):

@@ -68,6 +68,9 @@ class KindPlan:
         # Decode graphs: one wrapper per batch bucket, its index buffers at fixed addresses (the
         # graph reads them); plan() before each replay rewrites their contents.
         self.graph_wrappers: dict[int, object] = {}
+        self.no_split: set[int] = set()            # ids of graph wrappers planned with disable_split_kv
+        dev = workspace.device
+        self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
         self.current = self.wrapper
         self._plan_copied: dict[int, torch.cuda.Event] = {}   # wrapper -> event after its plan's copy
         # Decode graphs' replans skip FlashInfer's Python plan() (self-checked; attention/flashinfer_replan.py).
@@ -88,7 +91,20 @@ class KindPlan:
                 self.workspace, kv_layout="NHD", backend="fa2", use_cuda_graph=True,
                 qo_indptr_buf=buf(bucket + 1), paged_kv_indptr_buf=buf(bucket + 1),
                 paged_kv_indices_buf=buf(self.max_pages), paged_kv_last_page_len_buf=buf(bucket))
+            if not self.splits_kv(bucket):
+                self.no_split.add(id(w))
         return w
+
+    def splits_kv(self, bucket: int) -> bool:
+        """Whether a decode graph of ``bucket`` rows lets FlashInfer split sequences' KV across CTAs.
+
+        FlashInfer's planner splits only while the batch has fewer (row, kv head) CTAs than two per
+        SM; past that, in CUDA-graph mode, it still writes every row's output to a float scratch
+        buffer and merges it back (one chunk each): a wasted kernel per layer, and a scratch size
+        that grows with the bucket (at 512 rows and 4k context it overflowed a 256 MB workspace).
+        Disabling the split there runs the same schedule without either.
+        """
+        return bucket * self.heads[1] < 2 * self.num_sms
 
     def plan(self, qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_last_page_len: np.ndarray,
              kv_indices: torch.Tensor, bucket: int | None = None) -> None:
@@ -123,14 +139,17 @@ class KindPlan:
         if copied is not None and not copied.query():
             copied.synchronize()        # the GPU has not yet copied this wrapper's last plan out
 
+        no_split = id(wrapper) in self.no_split
+
         def full_plan():
             wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, h, kvh, d, self.page_size, causal=True,
                          window_left=self.window_left, sm_scale=self.scale, q_data_type=self.dtype,
-                         kv_data_type=self.dtype, non_blocking=True, seq_lens=kv_lens, max_token_per_sequence=max_q)
+                         kv_data_type=self.dtype, non_blocking=True, seq_lens=kv_lens, max_token_per_sequence=max_q,
+                         disable_split_kv=no_split)
 
         if graph and self.replan is not None:      # a decode graph's step: fixed buffers, one query per row
-            self.replan.plan(wrapper, full_plan, (h, kvh, d, self.page_size, self.window_left), qo_indptr, kv_indptr,
-                             kv_indices, kv_last_page_len, kv_lens)
+            self.replan.plan(wrapper, full_plan, (h, kvh, d, self.page_size, self.window_left, no_split), qo_indptr,
+                             kv_indptr, kv_indices, kv_last_page_len, kv_lens)
         else:
             full_plan()
         if self.workspace.is_cuda:
