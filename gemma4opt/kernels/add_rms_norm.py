@@ -19,17 +19,21 @@ def _add_rms_norm_kernel(X, R, W1, SCALE, W2, S, N, sx, sr, ss, sn, D, eps1, eps
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     dt = S.dtype.element_ty
+    # Every load first: at decode (one row, one program) the kernel is latency-bound, and a load
+    # issued after a row reduction waits for it (4 dependent round trips otherwise, not 1).
     x = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
-    inv1 = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps1)
-    w1 = tl.load(W1 + cols, mask=mask, other=0.0).to(tl.float32)
-    n1 = (x * inv1 * w1).to(dt).to(tl.float32)
     r = tl.load(R + row * sr + cols, mask=mask, other=0.0).to(tl.float32)
+    w1 = tl.load(W1 + cols, mask=mask, other=0.0).to(tl.float32)
+    w2 = tl.load(W2 + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        scale = tl.load(SCALE).to(tl.float32)
+    inv1 = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps1)
+    n1 = (x * inv1 * w1).to(dt).to(tl.float32)
     s = (r + n1).to(dt).to(tl.float32)
     if HAS_SCALE:
-        s = (s * tl.load(SCALE).to(tl.float32)).to(dt).to(tl.float32)
+        s = (s * scale).to(dt).to(tl.float32)
     tl.store(S + row * ss + cols, s.to(dt), mask=mask)
     inv2 = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / D + eps2)
-    w2 = tl.load(W2 + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(N + row * sn + cols, (s * inv2 * w2).to(dt), mask=mask)
 
 

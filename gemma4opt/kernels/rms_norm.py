@@ -14,10 +14,12 @@ def _rms_norm_kernel(X, W, Y, stride_x, stride_y, D, eps, HAS_WEIGHT: tl.constex
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_WEIGHT:      # loaded before the reduction, so both loads are in flight at once
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
     y = x * inv
     if HAS_WEIGHT:
-        y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        y = y * w
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
