@@ -12,8 +12,9 @@ cores). Each is timed as a CUDA graph of 20 runs (no launch or Python overhead),
 a step must read (window-limited) over that time is compared with the measured copy bandwidth.
 
 ``--split`` (``fa2`` only) sets how FlashInfer splits each sequence's KV across CTAs: ``auto``
-(its planner: chunks of at least 128 tokens), ``off`` (one CTA per sequence and kv head, no merge
-kernel), or ``cN`` (N chunks per sequence, via fixed_split_size).
+(its planner: chunks of at least 128 tokens) or ``cN`` (N chunks per sequence, via
+fixed_split_size). Not offered: disable_split_kv, which in CUDA-graph mode (FlashInfer 0.6.18)
+leaves the padded CTAs without a valid mask, reading stale schedules (an H200 run faulted).
 """
 from __future__ import annotations
 
@@ -52,8 +53,6 @@ def _wrapper(variant, workspace, batch, max_pages, head_dim):
 def _split_args(split, pages_per_seq):
     if split == "auto":
         return {}
-    if split == "off":
-        return dict(disable_split_kv=True)
     return dict(fixed_split_size=-(-pages_per_seq // int(split[1:])))
 
 
@@ -106,7 +105,7 @@ def main(argv=None):
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     ap.add_argument("--variants", nargs="+", default=["prefill", "decode", "decode-tc"],
                     choices=["prefill", "fa2", "decode", "decode-tc"])
-    ap.add_argument("--split", nargs="+", default=["auto"], help="fa2 only: auto, off, or cN (N chunks per sequence)")
+    ap.add_argument("--split", nargs="+", default=["auto"], help="fa2 only: auto or cN (N chunks per sequence)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     bw = copy_bandwidth("cuda")

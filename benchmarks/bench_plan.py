@@ -27,12 +27,13 @@ KINDS = (("sliding", 32, 16, 256), ("full", 32, 4, 512))   # name, q heads, kv h
 def _plans(args, device):
     if device != "cuda":
         return None
-    from gemma4opt.attention.flashinfer import KindPlan, available
+    from gemma4opt.attention.flashinfer import KindPlan, available, workspace_bytes
 
     if available() is not None:
         print(f"# FlashInfer: {available()} -> plan() not measured")
         return None
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    ws = torch.empty(workspace_bytes([k[1:] for k in KINDS], max(args.batch), sms), dtype=torch.uint8, device=device)
     max_pages = max(args.batch) * (-(-(args.context + args.steps + 8) // args.page_size) + 1)
     return [KindPlan(ws, h, kvh, d, args.page_size, args.window if name == "sliding" else None, torch.bfloat16,
                      max_pages=max_pages, fast_replan=not args.full_plan)

@@ -69,7 +69,7 @@ for s in "$@"; do
     pagedfix) stage pagedfix 240 $PYTEST -s tests/gpu/test_gpu_paged.py -k "sync or bucket or float32" ;;
     testsdefer) stage testsdefer 150 $PYTEST tests/gpu/test_gpu_generate.py -k "captured or deferred or sync" ;;
     qkvtest) stage qkvtest 120 $PYTEST tests/kernels/test_qkv_norm_rope_append_kernel.py tests/kernels/test_rms_norm_rope_kernel.py ;;
-    attnsplit) MAX_JOBS=16 stage attnsplit 240 python3 benchmarks/bench_attention.py --variants fa2 --split auto off c4 c8 c16 \
+    attnsplit) MAX_JOBS=16 stage attnsplit 240 python3 benchmarks/bench_attention.py --variants fa2 --split auto c4 c8 c16 \
             --batch 1 8 --context 160 1024 4096 --json "$OUT/attention_split.jsonl" ;;
     *) echo "unknown stage $s" ;;
   esac

@@ -16,7 +16,8 @@ from gemma4opt.presets import ALL_PRESETS, build_model
 # Kernel name fragments per category: what a decode step's device time goes to.
 CATEGORIES = [("gemm", ("nvjet", "gemm", "splitKreduce", "cutlass_80_tensorop", "sm90_xmma")),
               ("attention", ("sdpa", "fmha", "flash", "BatchDecode", "BatchPrefill", "Attention")),
-              ("gemma4opt triton", ("_rms_norm", "_add_rms_norm", "_gelu_tanh_mul", "_softcap", "_moe_router")),
+              ("gemma4opt triton", ("_rms_norm", "_add_rms_norm", "_gelu_tanh_mul", "_softcap", "_moe_router",
+                                       "_qkv_norm_rope_append", "_kv_append")),
               ("copies/index", ("copy", "index", "Fill", "cat")),
               ("other", ("",))]
 

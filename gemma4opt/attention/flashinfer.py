@@ -25,7 +25,7 @@ import torch
 
 _PLANS: dict[int, "KindPlan"] = {}
 _keys = itertools.count()
-WORKSPACE_BYTES = 256 << 20
+WORKSPACE_BYTES = 256 << 20     # FlashInfer's float scratch, at least (prefill's split-KV partials)
 
 
 def available() -> str | None:
@@ -68,9 +68,6 @@ class KindPlan:
         # Decode graphs: one wrapper per batch bucket, its index buffers at fixed addresses (the
         # graph reads them); plan() before each replay rewrites their contents.
         self.graph_wrappers: dict[int, object] = {}
-        self.no_split: set[int] = set()            # ids of graph wrappers planned with disable_split_kv
-        dev = workspace.device
-        self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
         self.current = self.wrapper
         self._plan_copied: dict[int, torch.cuda.Event] = {}   # wrapper -> event after its plan's copy
         # Decode graphs' replans skip FlashInfer's Python plan() (self-checked; attention/flashinfer_replan.py).
@@ -91,20 +88,7 @@ class KindPlan:
                 self.workspace, kv_layout="NHD", backend="fa2", use_cuda_graph=True,
                 qo_indptr_buf=buf(bucket + 1), paged_kv_indptr_buf=buf(bucket + 1),
                 paged_kv_indices_buf=buf(self.max_pages), paged_kv_last_page_len_buf=buf(bucket))
-            if not self.splits_kv(bucket):
-                self.no_split.add(id(w))
         return w
-
-    def splits_kv(self, bucket: int) -> bool:
-        """Whether a decode graph of ``bucket`` rows lets FlashInfer split sequences' KV across CTAs.
-
-        FlashInfer's planner splits only while the batch has fewer (row, kv head) CTAs than two per
-        SM; past that, in CUDA-graph mode, it still writes every row's output to a float scratch
-        buffer and merges it back (one chunk each): a wasted kernel per layer, and a scratch size
-        that grows with the bucket (at 512 rows and 4k context it overflowed a 256 MB workspace).
-        Disabling the split there runs the same schedule without either.
-        """
-        return bucket * self.heads[1] < 2 * self.num_sms
 
     def plan(self, qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_last_page_len: np.ndarray,
              kv_indices: torch.Tensor, bucket: int | None = None) -> None:
@@ -139,17 +123,14 @@ class KindPlan:
         if copied is not None and not copied.query():
             copied.synchronize()        # the GPU has not yet copied this wrapper's last plan out
 
-        no_split = id(wrapper) in self.no_split
-
         def full_plan():
             wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, h, kvh, d, self.page_size, causal=True,
                          window_left=self.window_left, sm_scale=self.scale, q_data_type=self.dtype,
-                         kv_data_type=self.dtype, non_blocking=True, seq_lens=kv_lens, max_token_per_sequence=max_q,
-                         disable_split_kv=no_split)
+                         kv_data_type=self.dtype, non_blocking=True, seq_lens=kv_lens, max_token_per_sequence=max_q)
 
         if graph and self.replan is not None:      # a decode graph's step: fixed buffers, one query per row
-            self.replan.plan(wrapper, full_plan, (h, kvh, d, self.page_size, self.window_left, no_split), qo_indptr,
-                             kv_indptr, kv_indices, kv_last_page_len, kv_lens)
+            self.replan.plan(wrapper, full_plan, (h, kvh, d, self.page_size, self.window_left), qo_indptr, kv_indptr,
+                             kv_indices, kv_last_page_len, kv_lens)
         else:
             full_plan()
         if self.workspace.is_cuda:
@@ -178,14 +159,38 @@ def run_planned(plan_key: int, q: torch.Tensor, kv: torch.Tensor, window: int, s
     return plan.current.run(q, kv)
 
 
+def workspace_bytes(geometries, max_batch: int, num_sms: int) -> int:
+    """Float scratch FlashInfer needs for decode graphs of up to ``max_batch`` rows.
+
+    In CUDA-graph mode its planner always splits KV and sizes the partial outputs for a padded
+    grid: max(2 CTAs per SM / kv heads, ceil(rows * group / tile) + rows - 1) query tiles of
+    ``tile`` rows per q head, fp32 ``head_dim`` values plus one LSE each (FlashInfer 0.6's
+    PrefillSplitQOKVIndptr / PrefillPlan). At 512 rows of the 31b's full layers that is ~0.8 GB;
+    a fixed 256 MB overflowed there. Kinds run one after another and share the buffer.
+    """
+    need = 0
+    for heads, kv_heads, head_dim in geometries:
+        group = heads // kv_heads
+        tile = 16 if group <= 16 else 64
+        padded = max(2 * num_sms // kv_heads, -(-max_batch * group // tile) + max_batch - 1)
+        need = max(need, heads * padded * tile * (head_dim + 1) * 4)
+    return max(WORKSPACE_BYTES, need + (1 << 20))      # + alignment slack
+
+
 def build_plans(text_config, page_size: int, device, dtype, max_pages: int = 0,
-                fast_replan: bool = True) -> dict[str, KindPlan]:
-    """One plan per attention kind present in the model, sharing one float workspace."""
-    workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-    plans = {}
+                fast_replan: bool = True, max_batch: int = 1) -> dict[str, KindPlan]:
+    """One plan per attention kind present in the model, sharing one float workspace sized for
+    decode graphs of up to ``max_batch`` rows."""
+    kinds = {}
     for layer, kind in enumerate(text_config.layer_types):
-        if kind in plans:
-            continue
+        kinds.setdefault(kind, layer)
+    geometries = [(text_config.num_attention_heads, text_config.per_layer_config[layer].num_key_value_heads,
+                   text_config.per_layer_config[layer].head_dim) for layer in kinds.values()]
+    dev = torch.device(device)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
+    workspace = torch.empty(workspace_bytes(geometries, max_batch, sms), dtype=torch.uint8, device=device)
+    plans = {}
+    for kind, layer in kinds.items():
         lc = text_config.per_layer_config[layer]
         window = text_config.sliding_window if kind == "sliding_attention" else None
         plans[kind] = KindPlan(workspace, text_config.num_attention_heads, lc.num_key_value_heads, lc.head_dim,

@@ -41,7 +41,7 @@ class FastReplan:
         """Plan one decode step of ``wrapper`` (CUDA-graph mode, one query per row).
 
         ``full_plan()`` runs FlashInfer's ``plan()`` for this step; ``geometry`` is
-        (num_qo_heads, num_kv_heads, head_dim, page_size, window_left, disable_split_kv); the tensors are the
+        (num_qo_heads, num_kv_heads, head_dim, page_size, window_left); the tensors are the
         step's host int32 arrays (``plan()``'s own arguments), kv_indices on the device.
         """
         key = id(wrapper)
@@ -83,7 +83,7 @@ class FastReplan:
 
     @staticmethod
     def _replan(wrapper, geometry, qo_indptr, kv_indptr, kv_indices, last, kv_lens) -> None:
-        h, kvh, d, page_size, window_left, no_split = geometry
+        h, kvh, d, page_size, window_left = geometry
         batch = len(last)
         wrapper._paged_kv_indptr_buf.copy_(kv_indptr, non_blocking=True)
         wrapper._paged_kv_last_page_len_buf.copy_(last, non_blocking=True)
@@ -95,7 +95,7 @@ class FastReplan:
             wrapper._float_workspace_buffer, wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer,
             qo_indptr, kv_indptr, kv_lens, wrapper._max_total_num_rows or batch, batch, h, kvh, page_size,
             True, d, d, True, window_left,
-            -1, no_split, 0, 0)         # FA2: fixed_split_size, disable_split_kv, num_colocated_ctas, uniform_q_len
+            -1, False, 0, 0)            # FA2: fixed_split_size, disable_split_kv, num_colocated_ctas, uniform_q_len
 
     def summary(self) -> str:
         text = f"{self.fast_plans} fast, {self.full_plans} full"

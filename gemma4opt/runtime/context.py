@@ -64,7 +64,7 @@ class StepContext:
             from gemma4opt.attention.flashinfer import build_plans
 
             self.plans = build_plans(cfg, oc.page_size, device, dtype, max_pages=n_pages + self.max_batch,
-                                     fast_replan=oc.fast_replan)
+                                     fast_replan=oc.fast_replan, max_batch=self.max_batch)
         self.plan_key = {k: (self.plans[k].key if k in self.plans else -1) for k in KINDS}
         self.unused = torch.zeros(0, dtype=torch.int32, device=device)
         self.active = False

@@ -32,7 +32,7 @@ class _StandInWrapper:
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads, num_kv_heads, head_dim,
              page_size, causal=True, window_left=-1, sm_scale=None, q_data_type=None, kv_data_type=None,
-             non_blocking=True, seq_lens=None, max_token_per_sequence=None, disable_split_kv=False):
+             non_blocking=True, seq_lens=None, max_token_per_sequence=None):
         for t in (qo_indptr, kv_indptr, kv_last_page_len, seq_lens):   # host arrays: plan never reads the device
             assert t.device.type == "cpu" and t.dtype == torch.int32
         # What FlashInfer would derive itself (flashinfer.page.get_seq_lens, max of qo lengths).
@@ -48,7 +48,7 @@ class _StandInWrapper:
             assert len(kv_indices) <= len(self.graph_buffers["paged_kv_indices_buf"])
         self.m = dict(qo=qo_indptr.clone(), indptr=kv_indptr.clone(), indices=kv_indices.clone(),
                       last=kv_last_page_len.clone(), window_left=window_left, scale=sm_scale,
-                      dims=(num_qo_heads, num_kv_heads, head_dim), ps=page_size, no_split=disable_split_kv)
+                      dims=(num_qo_heads, num_kv_heads, head_dim), ps=page_size)
 
     def run(self, q, kv):
         m = self.m
@@ -140,21 +140,13 @@ def test_a_wrappers_next_plan_waits_only_until_its_last_plan_was_copied(monkeypa
     plan.release()
 
 
-def test_big_decode_buckets_plan_without_split_kv(monkeypatch):
-    """Past two (row, kv head) CTAs per SM FlashInfer would not split KV anyway, only stage and
-    merge every row: those buckets plan with disable_split_kv, smaller ones keep the split."""
-    import numpy as np
+def test_workspace_covers_flashinfers_split_kv_scratch_of_the_largest_bucket():
+    from gemma4opt.attention.flashinfer import WORKSPACE_BYTES, workspace_bytes
 
-    from gemma4opt.attention import flashinfer as fi
-
-    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
-        BatchPrefillWithPagedKVCacheWrapper=_StandInWrapper))
-    plan = fi.KindPlan(torch.empty(0), 32, 16, 8, 4, None, torch.float32, max_pages=64, fast_replan=False)
-    assert plan.num_sms == 132                 # off CUDA: an H100/H200's count
-    kv = torch.zeros(64, dtype=torch.int32)
-    no_split = {}
-    for bucket in (1, 8, 16, 17, 64):
-        plan.plan(np.arange(bucket + 1), np.arange(bucket + 1), np.full(bucket, 2), kv, bucket=bucket)
-        no_split[bucket] = plan.current.m["no_split"]
-    assert no_split == {1: False, 8: False, 16: False, 17: True, 64: True}    # 17 * 16 >= 2 * 132
-    plan.release()
+    kinds = [(32, 16, 256), (32, 4, 512)]                  # the 31b's sliding and full layers
+    assert workspace_bytes(kinds, 8, 132) == WORKSPACE_BYTES
+    # Measured on an H200: FlashInfer asked for 401,604,608 bytes of partial outputs alone at
+    # 512 rows (and failed in a 256 MB workspace); the full layers need ~767 tiles of 16 x 512.
+    big = workspace_bytes(kinds, 512, 132)
+    assert big >= 32 * 767 * 16 * 513 * 4 > 401_604_608
+    assert workspace_bytes(kinds, 1024, 132) > big

@@ -27,7 +27,7 @@ def _wrapper(planner_info):
 
 def _step(r, w, full_plan):
     i32 = torch.int32
-    r.plan(w, full_plan, (4, 2, 8, 16, -1, False), torch.tensor([0, 1, 2], dtype=i32), torch.tensor([0, 1, 2], dtype=i32),
+    r.plan(w, full_plan, (4, 2, 8, 16, -1), torch.tensor([0, 1, 2], dtype=i32), torch.tensor([0, 1, 2], dtype=i32),
            torch.tensor([3, 5], dtype=i32),
            torch.tensor([4, 9], dtype=i32), torch.tensor([4, 9], dtype=i32))
 
