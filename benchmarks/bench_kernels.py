@@ -21,12 +21,14 @@ import gemma4opt  # noqa: E402,F401
 from gemma4opt.kernels.add_rms_norm import add_rms_norm_triton  # noqa: E402
 from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_mul_triton  # noqa: E402
 from gemma4opt.kernels.moe_router import router_topk_triton  # noqa: E402
+from gemma4opt.kernels.qkv_norm_rope_append import qkv_norm_rope_append_triton  # noqa: E402
 from gemma4opt.kernels.rms_norm import rms_norm_triton  # noqa: E402
 from gemma4opt.kernels.rms_norm_rope import rms_norm_rope_triton  # noqa: E402
 from gemma4opt.kernels.softcap import softcap_  # noqa: E402
 from gemma4opt.ops.add_rms_norm import add_rms_norm_reference  # noqa: E402
 from gemma4opt.ops.gelu_tanh_mul import gelu_tanh_mul_reference  # noqa: E402
 from gemma4opt.ops.rms_norm import rms_norm_reference  # noqa: E402
+from gemma4opt.ops.qkv_norm_rope_append import qkv_norm_rope_append_reference  # noqa: E402
 from gemma4opt.ops.rms_norm_rope import rms_norm_rope_reference  # noqa: E402
 from gemma4opt.presets import preset_config  # noqa: E402
 from roofline import copy_bandwidth  # noqa: E402
@@ -43,6 +45,24 @@ def _router_ref(logits, pes, k):
     probs = torch.softmax(logits, -1, dtype=torch.float32)
     w, i = torch.topk(probs, k, -1)
     return probs, w / w.sum(-1, keepdim=True) * pes[i], i
+
+
+def _qkv_case(cfg, kind, M, D, heads, cos, sin, w):
+    """The paged layer's q/k/v prep + KV append on the merged projection's output (page size 16)."""
+    layer = cfg.layer_types.index(f"{kind}_attention")
+    kvh = cfg.per_layer_config[layer].num_key_value_heads
+    k_eq_v = kind == "full" and getattr(cfg, "attention_k_eq_v", False)
+    qkv = torch.randn(1, M, (heads + kvh * (1 if k_eq_v else 2)) * D, device="cuda", dtype=DT)
+    q = qkv[..., :heads * D].view(1, M, heads, D)
+    k = qkv[..., heads * D:(heads + kvh) * D].view(1, M, kvh, D)
+    v = k if k_eq_v else qkv[..., (heads + kvh) * D:].view(1, M, kvh, D)
+    pool = torch.zeros(-(-M // 16) + 1, 2, 16, kvh, D, device="cuda", dtype=DT)
+    slots = torch.arange(M, device="cuda")
+    tok = torch.arange(M, device="cuda", dtype=torch.int32)
+    args = (pool, q, w, k, w, v, cos, sin, EPS, slots, tok)
+    moved = _nbytes(qkv, q, cos, sin) + 2 * M * kvh * D * 2
+    return f"qkv_norm_rope_append[{kind} D={D}]", qkv_norm_rope_append_triton, qkv_norm_rope_append_reference, \
+        args, moved
 
 
 def cases(cfg, M):
@@ -67,6 +87,7 @@ def cases(cfg, M):
         wq = torch.randn(D, device="cuda", dtype=DT)
         out.append((f"rms_norm_rope[{kind} D={D}]", rms_norm_rope_triton, rms_norm_rope_reference,
                     (q, wq, cos, sin, EPS), _nbytes(q, q, cos, sin, wq)))
+        out.append(_qkv_case(cfg, kind, M, D, heads, cos, sin, wq))
     if M <= 256:
         logits = torch.randn(M, cfg.vocab_size, device="cuda", dtype=DT)
         out.append(("softcap (lm_head epilogue)", lambda t, c: softcap_(t, c),
