@@ -33,6 +33,12 @@ class Gemma4OptConfig:
         256 or 512; anything else is refused when optimize() is called.
     page_size, max_batch_size, max_seq_len, kv_pool_pages: the paged cache's shape; kv_pool_pages
         (per attention kind) defaults to max_batch_size full-length sequences.
+    kv_pool_fraction: with kv_pool_pages unset, cap the pools (every layer, both kinds) at this
+        fraction of the GPU memory free when optimize() runs: fewer pages than max_batch_size
+        full-length sequences if that is all that fits (a generate that outgrows them raises
+        PoolExhausted naming these settings, before anything is overwritten). ``None``: no cap,
+        but a pool that cannot fit in 90 % of the free memory is refused at optimize() with the
+        sizes, instead of failing in CUDA's allocator.
     deferred_stop: let HF generate read its stop flag one step late (transformers'
         DeferredStopCheck, which HF enables on "mps" only), so the host queues the next decode step
         while the GPU runs this one; the one extra step it may run is undone by HF. ``None`` = on
@@ -56,6 +62,7 @@ class Gemma4OptConfig:
     max_batch_size: int = 8
     max_seq_len: int = 2048
     kv_pool_pages: int | None = None
+    kv_pool_fraction: float | None = None
     decode_buckets: tuple[int, ...] | None = None
     deferred_stop: bool | None = None
     fast_replan: bool = True
@@ -73,6 +80,8 @@ class Gemma4OptConfig:
             raise ValueError(f"Gemma4OptConfig.attention={self.attention!r}; supported: {list(_ATTENTION)}")
         if self.decode_buckets is not None and (not self.decode_buckets or min(self.decode_buckets) <= 0):
             raise ValueError(f"Gemma4OptConfig.decode_buckets={self.decode_buckets!r}: positive batch sizes")
+        if self.kv_pool_fraction is not None and not 0 < self.kv_pool_fraction <= 1:
+            raise ValueError(f"Gemma4OptConfig.kv_pool_fraction={self.kv_pool_fraction!r}: a fraction in (0, 1]")
         for name in ("page_size", "max_batch_size", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Gemma4OptConfig.{name} must be positive, got {getattr(self, name)}")

@@ -34,13 +34,45 @@ def kv_producers(cfg) -> dict[int, int]:
     return out
 
 
+def free_device_memory(device) -> int | None:
+    """Bytes free on a CUDA device (None elsewhere: no cap, host memory is not sized here)."""
+    device = torch.device(device)
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
+def pool_pages(cfg, oc, dtype, free_bytes: int | None) -> int:
+    """Pages per attention kind: kv_pool_pages, else max_batch_size full-length sequences, capped
+    by kv_pool_fraction of ``free_bytes``; refused with the sizes when it cannot fit at all."""
+    if oc.kv_pool_pages:
+        return oc.kv_pool_pages
+    pages = oc.max_batch_size * (-(-oc.max_seq_len // oc.page_size) + 1)
+    if free_bytes is None:
+        return pages
+    elem = torch.empty(0, dtype=dtype).element_size()
+    page_bytes = sum(2 * oc.page_size * cfg.per_layer_config[layer].num_key_value_heads
+                     * cfg.per_layer_config[layer].head_dim * elem
+                     for layer, owner in kv_producers(cfg).items() if layer == owner)   # one page, every layer
+    if oc.kv_pool_fraction is not None:
+        fit = int(oc.kv_pool_fraction * free_bytes // page_bytes)
+        if fit < 2:           # the padding row's page and at least one more
+            raise ValueError(f"Gemma4OptConfig.kv_pool_fraction={oc.kv_pool_fraction}: {fit} KV pages of "
+                             f"{page_bytes / 2**20:.1f} MiB fit in {free_bytes / 2**30:.1f} GiB free; raise it")
+        return min(pages, fit)
+    if pages * page_bytes > 0.9 * free_bytes:
+        raise ValueError(
+            f"gemma4opt: the paged KV pools for max_batch_size={oc.max_batch_size} sequences of max_seq_len="
+            f"{oc.max_seq_len} tokens need {pages * page_bytes / 2**30:.1f} GiB ({pages} pages of "
+            f"{page_bytes / 2**20:.1f} MiB over every layer), more than 90 % of the {free_bytes / 2**30:.1f} GiB "
+            "free; lower max_batch_size or max_seq_len, or set kv_pool_fraction (e.g. 0.8) or kv_pool_pages")
+    return pages
+
+
 class StepContext:
     def __init__(self, text_config, opt_config, device, dtype):
         cfg, oc = text_config, opt_config
         self.page_size = oc.page_size
         self.max_batch = oc.max_batch_size
-        pages_per_seq = -(-oc.max_seq_len // oc.page_size) + 1
-        n_pages = oc.kv_pool_pages or self.max_batch * pages_per_seq
+        n_pages = pool_pages(cfg, oc, dtype, free_device_memory(device))
         windows = {"sliding_attention": cfg.sliding_window, "full_attention": None}
         self.seqs = {k: PagedSequences(PagePool(n_pages, oc.page_size, f"{k} KV pool"), self.max_batch,
                                        oc.max_seq_len, windows[k]) for k in KINDS}
