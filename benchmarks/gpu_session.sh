@@ -56,6 +56,8 @@ for s in "$@"; do
             --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;
     gene4b) stage gene4b 400 python3 benchmarks/bench_generate.py --preset e4b --batch 1 32 \
             --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;
+    gene4b1) stage gene4b1 220 python3 benchmarks/bench_generate.py --preset e4b --batch 1 \
+            --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;
     gen26b) stage gen26b 400 python3 benchmarks/bench_generate.py --preset 26b-a4b --batch 1 \
             --systems eager static_compile gemma4opt-paged --json "$OUT/gen.jsonl" ;;
     gen31bfull) stage gen31bfull 560 python3 benchmarks/bench_generate.py --preset 31b --batch 1 \
