@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels.rms_norm_rope import expand_cos_sin, head_block, norm_rope_tile
+from gemma4opt.kernels.rms_norm_rope import expand_cos_sin, head_block, norm_rope_store, norm_rope_tile
 
 
 @triton.jit
@@ -26,14 +26,9 @@ def _qkv_norm_rope_append_kernel(
     if pid < NQ_PROGRAMS:                          # q: every row of the step
         tok = (pid // QBLOCKS).to(tl.int64)
         heads = (pid % QBLOCKS) * HB + tl.arange(0, HB)
-        hmask = heads < HQ
         b, s = tok // S, tok % S
-        o1, o2 = norm_rope_tile(Q + b * sqb + s * sqs, sqh, WQ, C + b * scb + s * scs, Sn + b * ssb + s * sss,
-                                heads, cols, hmask, cmask, HALF, D, eps, dt)
-        mask = hmask[:, None] & cmask[None, :]
-        op = QO + (tok * HQ + heads[:, None].to(tl.int64)) * D + cols[None, :]
-        tl.store(op, o1.to(dt), mask=mask)
-        tl.store(op + HALF, o2.to(dt), mask=mask)
+        norm_rope_store(Q + b * sqb + s * sqs, sqh, WQ, C + b * scb + s * scs, Sn + b * ssb + s * sss, QO, tok, HQ,
+                        heads, cols, heads < HQ, cmask, HALF, D, eps)
     else:                                          # k/v: the real tokens only, into their slots
         p = pid - NQ_PROGRAMS
         i = p // KBLOCKS

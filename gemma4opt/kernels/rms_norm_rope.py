@@ -37,6 +37,17 @@ def norm_rope_tile(xp, sxh, W, cb, sb, heads, cols, hmask, cmask, HALF, D, eps, 
 
 
 @triton.jit
+def norm_rope_store(xp, sxh, W, cb, sb, O, tok, H, heads, cols, hmask, cmask, HALF, D, eps):
+    """norm_rope_tile of token ``tok``'s heads, stored to row ``tok`` of a contiguous [tokens, H, D] O."""
+    dt = O.dtype.element_ty
+    o1, o2 = norm_rope_tile(xp, sxh, W, cb, sb, heads, cols, hmask, cmask, HALF, D, eps, dt)
+    mask = hmask[:, None] & cmask[None, :]
+    op = O + (tok * H + heads[:, None].to(tl.int64)) * D + cols[None, :]
+    tl.store(op, o1.to(dt), mask=mask)
+    tl.store(op + HALF, o2.to(dt), mask=mask)
+
+
+@triton.jit
 def _rms_norm_rope_kernel(X, W, C, Sn, O, H, S, sxb, sxs, sxh, scb, scs, ssb, sss, D, HALF, eps,
                           HB: tl.constexpr, BLOCK: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)          # b * S + s
@@ -45,15 +56,8 @@ def _rms_norm_rope_kernel(X, W, C, Sn, O, H, S, sxb, sxs, sxh, scb, scs, ssb, ss
     b = tok // S
     heads = hblk * HB + tl.arange(0, HB)
     cols = tl.arange(0, BLOCK)
-    hmask = heads < H
-    cmask = cols < HALF
-    dt = O.dtype.element_ty
-    o1, o2 = norm_rope_tile(X + b * sxb + s * sxs, sxh, W, C + b * scb + s * scs, Sn + b * ssb + s * sss,
-                            heads, cols, hmask, cmask, HALF, D, eps, dt)
-    mask = hmask[:, None] & cmask[None, :]
-    op = O + (tok * H + heads[:, None].to(tl.int64)) * D + cols[None, :]
-    tl.store(op, o1.to(dt), mask=mask)
-    tl.store(op + HALF, o2.to(dt), mask=mask)
+    norm_rope_store(X + b * sxb + s * sxs, sxh, W, C + b * scb + s * scs, Sn + b * ssb + s * sss, O, tok, H,
+                    heads, cols, heads < H, cols < HALF, HALF, D, eps)
 
 
 def head_block(tokens: int, heads: int, half: int) -> tuple[int, int, int]:
