@@ -42,8 +42,8 @@ def _wrapper(variant, workspace, batch, max_pages, head_dim):
     if variant in ("prefill", "fa2"):
         backend = "fa2" if head_dim > 256 or variant == "fa2" else "auto"
         return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            workspace, "NHD", backend=backend, use_cuda_graph=True, qo_indptr_buf=buf(batch + 1), paged_kv_indptr_buf=buf(batch + 1),
-            paged_kv_indices_buf=buf(max_pages), paged_kv_last_page_len_buf=buf(batch))
+            workspace, "NHD", backend=backend, use_cuda_graph=True, qo_indptr_buf=buf(batch + 1),
+            paged_kv_indptr_buf=buf(batch + 1), paged_kv_indices_buf=buf(max_pages), paged_kv_last_page_len_buf=buf(batch))
     return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         workspace, "NHD", use_cuda_graph=True, use_tensor_cores=variant == "decode-tc",
         paged_kv_indptr_buffer=buf(batch + 1), paged_kv_indices_buffer=buf(max_pages),
@@ -94,8 +94,7 @@ def run_case(kind, variant, batch, context, workspace, bw, reps=20, split="auto"
     seen = min(context, window) if window else context
     kv_bytes = batch * seen * kvh * d * 2 * 2
     return dict(kind=kind, variant=variant if variant != "fa2" else f"fa2-{split}", batch=batch, context=context,
-                us=us, kv_mb=kv_bytes / 1e6,
-                gb_s=kv_bytes / us / 1e3, bw_frac=kv_bytes / (us * 1e-6) / bw)
+                us=us, kv_mb=kv_bytes / 1e6, gb_s=kv_bytes / us / 1e3, bw_frac=kv_bytes / (us * 1e-6) / bw)
 
 
 def main(argv=None):
@@ -114,15 +113,14 @@ def main(argv=None):
     print(f"{'kind':>8} {'variant':>10} {'batch':>5} {'context':>7} {'us':>8} {'KV MB':>8} {'GB/s':>7} {'of copy':>7}")
     rows = []
     for kind in args.kinds:
-        for variant in [v if v != "fa2" else f"fa2:{sp}" for v in args.variants for sp in
-                        (args.split if v == "fa2" else [None])]:
-            variant, _, split = variant.partition(":")
+        for variant, split in [(v, sp) for v in args.variants for sp in (args.split if v == "fa2" else ["auto"])]:
+            label = variant if variant != "fa2" else f"fa2-{split}"
             for context in args.context:
                 for batch in args.batch:
                     try:
-                        r = run_case(kind, variant, batch, context, workspace, bw, split=split or "auto")
+                        r = run_case(kind, variant, batch, context, workspace, bw, split=split)
                     except Exception as e:      # a variant FlashInfer lacks for this geometry
-                        print(f"{kind:>8} {variant + (split and '-' + split):>10} {batch:>5} {context:>7}  unsupported: {type(e).__name__}: "
+                        print(f"{kind:>8} {label:>10} {batch:>5} {context:>7}  unsupported: {type(e).__name__}: "
                               f"{str(e).splitlines()[0][:120] if str(e) else ''}", flush=True)
                         continue
                     rows.append(r)
