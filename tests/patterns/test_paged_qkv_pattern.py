@@ -10,19 +10,21 @@ from patterns.paged_qkv import PagedQKVPattern
 ops = torch.ops.gemma4opt
 
 
-def _layer_fn(eps_v=1e-6, leak_v=False):
+def _layer_fn(eps_v=1e-6, leak_v=False, dead_to=False):
     """What a Gemma-4 attention layer over the paged cache looks like after norm_rope."""
     def layer(kv, xq, wq, xk, wk, xv, cos, sin, slots, tok, indptr, indices, last, start, lens, new):
         return _layer(kv, xq, wq, xk, wk, xv, cos, sin, slots, tok, (indptr, indices, last, start, lens, new), eps_v,
-                      leak_v)
+                      leak_v, dead_to)
     return layer
 
 
-def _layer(kv, xq, wq, xk, wk, xv, cos, sin, slots, tok, meta, eps_v, leak_v):
+def _layer(kv, xq, wq, xk, wk, xv, cos, sin, slots, tok, meta, eps_v, leak_v, dead_to):
     q = ops.rms_norm_rope.default(xq, wq, cos.unsqueeze(2), sin.unsqueeze(2), 1e-6).transpose(1, 2)
     k = ops.rms_norm_rope.default(xk, wk, cos.unsqueeze(2), sin.unsqueeze(2), 1e-6).transpose(1, 2)
     v_normed = ops.rms_norm.default(xv, None, eps_v)
     v = v_normed.transpose(1, 2)
+    if dead_to:        # transformers 5.17's KV-shared layers: ``.to(device)`` of the producer's K/V, unused
+        k.to("cpu"), v.to("cpu")
     ops.kv_append(kv, k.transpose(1, 2), v.transpose(1, 2), slots, tok)
     out = ops.paged_attention(q.transpose(1, 2), kv, *meta, tok, -1, 1.0, -1)
     return (out, v_normed.sum()) if leak_v else out
@@ -83,3 +85,9 @@ def test_refuses_when_normed_v_is_used_elsewhere():
 def test_refuses_different_eps():
     _, res = _check_numerics(_layer_fn(eps_v=1e-5), _inputs())
     assert res.matched == 0 and "different eps" in res.unfused[0]
+
+
+def test_dead_device_moves_of_k_and_v_do_not_block_the_fusion():
+    gm, res = _check_numerics(_layer_fn(dead_to=True), _inputs())
+    assert res.matched == 1 and res.unfused == []
+    assert "to" not in [op_name(n) for n in gm.graph.nodes]
