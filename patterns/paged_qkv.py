@@ -69,6 +69,15 @@ def _same_value(a, b) -> bool:
     return all(_same_value(x, y) if isinstance(x, fx.Node) else x == y for x, y in zip(a.args, b.args))
 
 
+def _head_dim(node):
+    """Last dim of a [B, S, heads, D] node, from Dynamo's example value (or FX shape propagation)."""
+    if not isinstance(node, fx.Node):
+        return None
+    val = node.meta.get("example_value", node.meta.get("val", node.meta.get("tensor_meta")))
+    shape = getattr(val, "shape", None)
+    return int(shape[-1]) if shape is not None and len(shape) == 4 else None
+
+
 def _match(append: fx.Node):
     """The pieces of one layer, or (None, why)."""
     kv, kt, vt, slots, tok = append.args
@@ -86,6 +95,9 @@ def _match(append: fx.Node):
     if q is None or op_name(q) != _ROPE:
         return None, q_chain if q is None else "Q is not a gemma4opt.rms_norm_rope"
     (xq, wq, cq, sq, eq), (xk, wk, ck, sk, ek), (xv, _, ev) = q.args, k.args, v.args
+    dims = {_head_dim(n) for n in (xq, xk, xv)}
+    if len(dims) != 1 or None in dims or dims.pop() % 2:
+        return None, "q/k/v head dims differ or are odd (the kernel rotates halves of one head_dim)"
     if not (_same_value(cq, ck) and _same_value(sq, sk)):
         return None, "q and k are rotated with different cos/sin"
     if not eq == ek == ev:

@@ -1,6 +1,7 @@
 """paged_qkv on a hand-traced graph of the ops the paged attention path emits: numerics, refusals."""
 import torch
 import torch.fx as fx
+from torch.fx.passes.shape_prop import ShapeProp
 
 import gemma4opt.ops  # noqa: F401  (registers torch.ops.gemma4opt)
 from gemma4opt.compiler.pattern import PassContext
@@ -45,8 +46,9 @@ def _inputs(B=2, H=4, HK=2, D=16, ps=4, k_eq_v=False):
             torch.arange(B, **i32), *meta]
 
 
-def _rewrite(fn):
+def _rewrite(fn, inputs):
     gm = fx.symbolic_trace(fn)
+    ShapeProp(gm).propagate(inputs[0].clone(), *inputs[1:])     # shapes, as Dynamo's example values give them
     res = PagedQKVPattern().apply(gm, PassContext(root=gm, text_config=None, scope="causal_lm", gm=gm))
     gm.graph.lint()
     gm.recompile()
@@ -54,7 +56,7 @@ def _rewrite(fn):
 
 
 def _check_numerics(fn, inputs):
-    gm, res = _rewrite(fn)
+    gm, res = _rewrite(fn, inputs)
     want_kv, got_kv = inputs[0].clone(), inputs[0].clone()
     want = fn(want_kv, *inputs[1:])
     got = gm(got_kv, *inputs[1:])
@@ -91,3 +93,8 @@ def test_dead_device_moves_of_k_and_v_do_not_block_the_fusion():
     gm, res = _check_numerics(_layer_fn(dead_to=True), _inputs())
     assert res.matched == 1 and res.unfused == []
     assert "to" not in [op_name(n) for n in gm.graph.nodes]
+
+
+def test_refuses_odd_head_dim_at_match_time():
+    _, res = _check_numerics(_layer_fn(), _inputs(D=15))
+    assert res.matched == 0 and "odd" in res.unfused[0]
