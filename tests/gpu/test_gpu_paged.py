@@ -110,6 +110,9 @@ def test_paged_generate_equals_eager_below_at_past_window(preset, layers):
         same = (got == want).float().mean().item()
         print(f"{preset}: prompt {ids.shape[1]}: {same:.1%} of tokens equal eager")
         assert torch.equal(got, want)
+    # Every fusion at its expected count on the GPU's transformers too (paged_qkv included).
+    rep = gemma4opt.report(model, print_table=False)
+    assert all(r.complete for r in rep.rows), [(r.name, r.unfused) for r in rep.rows if not r.complete]
 
 
 def test_decode_steps_do_not_sync():
