@@ -112,7 +112,7 @@ def test_paged_generate_equals_eager_below_at_past_window(preset, layers):
         assert torch.equal(got, want)
     # Every fusion at its expected count on the GPU's transformers too (paged_qkv included).
     rep = gemma4opt.report(model, print_table=False)
-    assert all(r.complete for r in rep.rows), [(r.name, r.unfused) for r in rep.rows if not r.complete]
+    assert all(r.complete for r in rep.rows), [(r.pattern, r.unfused) for r in rep.rows if not r.complete]
 
 
 def test_decode_steps_do_not_sync():
