@@ -68,7 +68,7 @@ for s in "$@"; do
     planprof) stage planprof 150 python3 benchmarks/bench_plan.py --device cuda --batch 64 --steps 50 --profile ;;
     gen1paged) stage gen1paged 300 python3 benchmarks/bench_generate.py --preset 31b --layers 12 \
             --batch 1 --systems gemma4opt gemma4opt-paged eager static_compile --json "$OUT/gen.jsonl" ;;
-    pagedfix) stage pagedfix 240 $PYTEST -s tests/gpu/test_gpu_paged.py -k "sync or bucket or float32" ;;
+    pagedfix) MAX_JOBS=16 stage pagedfix 420 $PYTEST -s tests/gpu/test_gpu_paged.py -k "sync or bucket or float32" ;;
     testsdefer) stage testsdefer 150 $PYTEST tests/gpu/test_gpu_generate.py -k "captured or deferred or sync" ;;
     qkvtest) stage qkvtest 120 $PYTEST tests/kernels/test_qkv_norm_rope_append_kernel.py tests/kernels/test_rms_norm_rope_kernel.py ;;
     attnsplit) MAX_JOBS=16 stage attnsplit 240 python3 benchmarks/bench_attention.py --variants fa2 --split auto c4 c8 c16 \
