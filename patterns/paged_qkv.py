@@ -27,8 +27,6 @@ from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
 from gemma4opt.compiler.regions import innermost, op_name
 
 _ROPE, _RMS = "rms_norm_rope.default", "rms_norm.default"
-
-
 _PURE_METHODS = ("to", "transpose", "contiguous", "view", "reshape")
 
 
@@ -100,7 +98,7 @@ def _match(append: fx.Node):
         return None, "q/k/v head dims differ or are odd (the kernel rotates halves of one head_dim)"
     if not (_same_value(cq, ck) and _same_value(sq, sk)):
         return None, "q and k are rotated with different cos/sin"
-    if not eq == ek == ev:
+    if len({eq, ek, ev}) != 1:
         return None, f"q/k/v norms have different eps ({eq}, {ek}, {ev})"
     return dict(args=(kv, xq, wq, xk, wk, xv, cq, sq, eq, slots, tok), attn=attn[0], q=q, q_chain=q_chain,
                 dead=[append, *k_chain, k, *v_chain, v]), ""
