@@ -66,6 +66,21 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-inductor": dict(inductor=True),
                      "gemma4opt-captured": dict(inductor=False), "gemma4opt-paged": dict(attention="paged")}
 
 
+HEADER = (f"{'batch':>5} {'system':>18} {'warm-up s':>9} {'TTFT ms':>9} {'ms/step':>9} {'tok/s':>9} "
+          f"{'roofline':>9} {'vs eager':>9} {'vs static':>9} tokens==eager")
+
+
+def _line(row, res) -> str:
+    """One result row; ratios against the systems of ``res`` (this batch) measured so far."""
+    ms = row["ms_per_step"]
+    vs_e = res["eager"]["ms_per_step"] / ms if "eager" in res else float("nan")
+    vs_s = res["static_compile"]["ms_per_step"] / ms if "static_compile" in res else float("nan")
+    kv = f"; KV {row['kv_mib_per_seq']:.1f} MiB/seq" if "kv_mib_per_seq" in row else ""
+    return (f"{row['batch']:>5} {row['system']:>18} {row['warmup_s']:>9.1f} {row['ttft_ms']:>9.1f} {ms:>9.2f} "
+            f"{row['tok_s']:>9.1f} {row['roofline_frac']:>8.0%} {vs_e:>8.2f}x {vs_s:>8.2f}x "
+            f"{row['tokens_equal_eager']}   (roofline {row['roofline_ms']:.2f} ms{kv})")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", choices=sorted(ALL_PRESETS))
@@ -93,8 +108,7 @@ def main(argv=None):
     prompts = {b: torch.randint(3, cfg.vocab_size, (b, args.prompt), generator=g).to(args.device) for b in args.batch}
     roof = {b: (weight_bytes_per_step(model, b) + kv_bytes_per_step(model, b, args.prompt + args.new // 2)) / bw * 1e3
             for b in args.batch}
-    print(f"{'batch':>5} {'system':>18} {'warm-up s':>9} {'TTFT ms':>9} {'ms/step':>9} {'tok/s':>9} "
-          f"{'roofline':>9} {'vs eager':>9} {'vs static':>9} tokens==eager", flush=True)
+    print(HEADER, flush=True)
     rows, results = [], {b: {} for b in args.batch}
     for i, system in enumerate(args.systems):
         kw, sys_model = {}, model
@@ -122,11 +136,7 @@ def main(argv=None):
             ctx = getattr(getattr(sys_model, "_gemma4opt", None), "context", None)
             if ctx is not None and ctx.last_kv_held[1]:       # paged: KV a sequence held at the end of generate
                 row["kv_mib_per_seq"] = ctx.last_kv_held[0] / ctx.last_kv_held[1] / 2**20
-            vs_e = res["eager"]["ms_per_step"] / ms if "eager" in res else float("nan")
-            vs_s = res["static_compile"]["ms_per_step"] / ms if "static_compile" in res else float("nan")
-            print(f"{b:>5} {system:>18} {warm:>9.1f} {ttft:>9.1f} {ms:>9.2f} {row['tok_s']:>9.1f} {row['roofline_frac']:>8.0%} "
-                  f"{vs_e:>8.2f}x {vs_s:>8.2f}x {same}   (roofline {roof[b]:.2f} ms"
-                  + (f"; KV {row['kv_mib_per_seq']:.1f} MiB/seq" if "kv_mib_per_seq" in row else "") + ")", flush=True)
+            print(_line(row, res), flush=True)
             rows.append(row)
         if system in GEMMA4OPT_SYSTEMS:
             gemma4opt.report(sys_model)
@@ -138,6 +148,13 @@ def main(argv=None):
             for row in rows:
                 if row["batch"] == b and row["system"] in same:
                     row["tokens_equal_eager"] = same[row["system"]]
+    if len(args.systems) > 1:       # every ratio, now that every system ran
+        print("# summary: every system against the others of this run")
+        print(HEADER)
+        for b in args.batch:
+            for row in rows:
+                if row["batch"] == b:
+                    print(_line(row, results[b]))
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
