@@ -168,7 +168,8 @@ class PagedSequences:
                 self.first[gone] += 1
             else:
                 drop = None
-        grow, ids = old % ps == 0, None
+        off = old % ps                                  # where this step's token goes in its page
+        grow, ids = off == 0, None
         if grow.any():
             new_rows = rows[grow]
             count = self.count[new_rows]
@@ -181,8 +182,8 @@ class PagedSequences:
         new_len = old + 1
         self.seq_len[rows] = new_len
         _, kv_indptr, kv_indices, kv_start = self._page_lists(rows, drop, grow, ids)
-        slots = self.table[rows, (old // ps) % ring].astype(np.int64) * ps + old % ps
-        return StepMeta(kv_indptr, kv_indices, (old % ps + 1).astype(np.int32), kv_start,
+        slots = self.table[rows, (old // ps) % ring].astype(np.int64) * ps + off
+        return StepMeta(kv_indptr, kv_indices, (off + 1).astype(np.int32), kv_start,
                         np.arange(len(rows) + 1, dtype=np.int32), slots, new_len)
 
     def _too_long(self, rows, new_len):
@@ -199,7 +200,10 @@ class PagedSequences:
         """Decode steps after this one that need no page added or freed, for every sequence."""
         ps = self.pool.page_size
         room = (-length) % ps                                   # tokens until a new page is needed
-        steps = min(int(room.min()), int(self.max_seq_len - length.max()))
+        steps = int(room.min())
+        if steps == 0:          # some sequence fills its page now: the usual case in big, ragged batches
+            return 0
+        steps = min(steps, int(self.max_seq_len - length.max()))
         if self.window is not None:
             # The step with old length L + j frees a page once L + j - window + 1 reaches (first + 1) * ps.
             steps = min(steps, int(((self.first[rows] + 1) * ps + self.window - 1 - length).min()))
