@@ -27,17 +27,6 @@ from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
 from gemma4opt.compiler.regions import innermost, op_name
 
 _ROPE, _RMS = "rms_norm_rope.default", "rms_norm.default"
-_PURE_METHODS = ("to", "transpose", "contiguous", "view", "reshape")
-
-
-def _live_users(node):
-    """node's users, less dead pure ones (erased): transformers 5.17's KV-shared layers call
-    ``key_states.to(device)`` on their producer's K/V and then never use it (the paged attention
-    function reads the producer's pages instead)."""
-    for u in list(node.users):
-        if u.op == "call_method" and u.target in _PURE_METHODS and not u.users:
-            u.graph.erase_node(u)
-    return node.users
 
 
 def _through_transposes(node):
@@ -45,13 +34,12 @@ def _through_transposes(node):
     used once; (None, why) otherwise."""
     chain = []
     while op_name(node) == "transpose":
-        _live_users(node)
         dims = sorted(d % 4 for d in node.args[1:3]) if len(node.args) == 3 else None
         if dims != [1, 2] or len(node.users) != 1:
             return None, "a transpose other than the attention layout's, or one used elsewhere"
         chain.append(node)
         node = node.args[0]
-    if len(chain) % 2 or len(_live_users(node)) != 1:
+    if len(chain) % 2 or len(node.users) != 1:
         return None, "the layout is not restored, or the value is used elsewhere"
     return node, chain
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from gemma4opt.compiler.pattern import PassContext, Pattern
+from gemma4opt.compiler.regions import drop_dead_views
 
 
 @dataclass
@@ -32,6 +33,7 @@ class PassManager:
     def run(self, gm: fx.GraphModule, graph_index: int) -> fx.GraphModule:
         ctx: PassContext = self.ctx_factory(gm)
         self._dump(gm, graph_index, 0, "captured")
+        drop_dead_views(gm.graph)       # so the patterns' user counts see only live uses
         for i, pattern in enumerate(self.patterns, start=1):
             result = pattern.apply(gm, ctx)
             gm.graph.lint()

@@ -103,6 +103,24 @@ def regions_of_type(graph: fx.Graph, type_name: str, subtree: bool = False) -> l
     return list(found.values())
 
 
+_PURE_METHODS = frozenset(("to", "transpose", "contiguous", "view", "reshape", "unsqueeze", "squeeze", "permute"))
+
+
+def drop_dead_views(graph: fx.Graph) -> int:
+    """Erase layout/device method calls whose result nobody uses; returns how many.
+
+    Dynamo keeps them, and a matcher that counts users would take them for a second use: e.g.
+    transformers 5.17's KV-shared layers call ``key_states.to(device)`` on their producer's K/V
+    and, with the paged cache, never use it. These methods have no side effects.
+    """
+    dead = 0
+    for node in list(reversed(graph.nodes)):    # users first, so chains of dead views go in one pass
+        if node.op == "call_method" and node.target in _PURE_METHODS and not node.users:
+            graph.erase_node(node)
+            dead += 1
+    return dead
+
+
 def erase_region(graph: fx.Graph, nodes: list[fx.Node]) -> None:
     """Erase nodes (all users must be inside ``nodes`` or already rewired)."""
     for n in reversed(nodes):

@@ -5,7 +5,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 import gemma4opt.ops  # noqa: F401  (registers torch.ops.gemma4opt)
 from gemma4opt.compiler.pattern import PassContext
-from gemma4opt.compiler.regions import op_name
+from gemma4opt.compiler.regions import drop_dead_views, op_name
 from patterns.paged_qkv import PagedQKVPattern
 
 ops = torch.ops.gemma4opt
@@ -49,6 +49,7 @@ def _inputs(B=2, H=4, HK=2, D=16, ps=4, k_eq_v=False):
 def _rewrite(fn, inputs):
     gm = fx.symbolic_trace(fn)
     ShapeProp(gm).propagate(inputs[0].clone(), *inputs[1:])     # shapes, as Dynamo's example values give them
+    drop_dead_views(gm.graph)                                   # as the pass manager does before every pattern
     res = PagedQKVPattern().apply(gm, PassContext(root=gm, text_config=None, scope="causal_lm", gm=gm))
     gm.graph.lint()
     gm.recompile()
