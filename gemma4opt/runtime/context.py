@@ -48,7 +48,7 @@ def pool_pages(cfg, oc, dtype, free_bytes: int | None) -> int:
     pages = oc.max_batch_size * (-(-oc.max_seq_len // oc.page_size) + 1)
     if free_bytes is None:
         return pages
-    elem = torch.empty(0, dtype=dtype).element_size()
+    elem = dtype.itemsize
     page_bytes = sum(2 * oc.page_size * cfg.per_layer_config[layer].num_key_value_heads
                      * cfg.per_layer_config[layer].head_dim * elem
                      for layer, owner in kv_producers(cfg).items() if layer == owner)   # one page, every layer
