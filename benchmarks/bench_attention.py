@@ -8,7 +8,8 @@ heads, head_dim 512) and per way of running one decode query per sequence over p
 ``prefill`` (BatchPrefillWithPagedKVCacheWrapper, FA3 where it exists), ``fa2`` (the same on FA2:
 what gemma4opt's decode graphs run), ``decode``
 (BatchDecodeWithPagedKVCacheWrapper on CUDA cores) and ``decode-tc`` (the same with tensor
-cores). Each is timed as a CUDA graph of 20 runs (no launch or Python overhead), and the KV bytes
+cores), and ``triton``: gemma4opt's own split-KV decode kernel (kernels/paged_decode.py, what
+decode graphs run by default; no plan). Each is timed as a CUDA graph of 20 runs (no launch or Python overhead), and the KV bytes
 a step must read (window-limited) over that time is compared with the measured copy bandwidth.
 
 ``--split`` (``fa2`` only) sets how FlashInfer splits each sequence's KV across CTAs: ``auto``
@@ -66,6 +67,13 @@ def run_case(kind, variant, batch, context, workspace, bw, reps=20, split="auto"
     indptr = torch.arange(0, n_pages + 1, pages_per_seq, dtype=torch.int32)
     indices = torch.randperm(n_pages, dtype=torch.int32).cuda()
     last = torch.full((batch,), context - (pages_per_seq - 1) * PAGE, dtype=torch.int32)
+    if variant == "triton":
+        from gemma4opt.kernels.paged_decode import paged_decode_triton
+
+        dev = [t.cuda() for t in (indptr, indices, last)]
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        return _time(lambda: paged_decode_triton(q, kv, *dev, window=window or 0, scale=1.0, num_sms=sms), reps,
+                     kind, variant, batch, context, window, kvh, d, bw)
     w = _wrapper(variant, workspace, batch, n_pages, d)
     common = dict(window_left=window - 1 if window else -1, sm_scale=1.0, q_data_type=torch.bfloat16,
                   kv_data_type=torch.bfloat16)
@@ -74,12 +82,17 @@ def run_case(kind, variant, batch, context, workspace, bw, reps=20, split="auto"
                **common, **(_split_args(split, pages_per_seq) if variant == "fa2" else {}))
     else:
         w.plan(indptr, indices, last, h, kvh, d, PAGE, **common)
-    w.run(q, kv)                                     # JIT / warm-up outside the graph
+    label = variant if variant != "fa2" else f"fa2-{split}"
+    return _time(lambda: w.run(q, kv), reps, kind, label, batch, context, window, kvh, d, bw)
+
+
+def _time(run, reps, kind, label, batch, context, window, kvh, d, bw):
+    run()                                            # JIT / warm-up outside the graph
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(reps):
-            w.run(q, kv)
+            run()
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -93,7 +106,7 @@ def run_case(kind, variant, batch, context, workspace, bw, reps=20, split="auto"
     us = min(times)
     seen = min(context, window) if window else context
     kv_bytes = batch * seen * kvh * d * 2 * 2
-    return dict(kind=kind, variant=variant if variant != "fa2" else f"fa2-{split}", batch=batch, context=context,
+    return dict(kind=kind, variant=label, batch=batch, context=context,
                 us=us, kv_mb=kv_bytes / 1e6, gb_s=kv_bytes / us / 1e3, bw_frac=kv_bytes / (us * 1e-6) / bw)
 
 
@@ -103,7 +116,7 @@ def main(argv=None):
     ap.add_argument("--context", type=int, nargs="+", default=[160, 4096])
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     ap.add_argument("--variants", nargs="+", default=["prefill", "decode", "decode-tc"],
-                    choices=["prefill", "fa2", "decode", "decode-tc"])
+                    choices=["prefill", "fa2", "decode", "decode-tc", "triton"])
     ap.add_argument("--split", nargs="+", default=["auto"], help="fa2 only: auto or cN (N chunks per sequence)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -17,11 +17,11 @@ set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gemma4opt-out}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ -z "$GEMMA4OPT_SKIP_INSTALL" ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+[ -n "$GEMMA4OPT_SKIP_INSTALL" ] || python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 
 stage() {
   local name=$1 limit=$2; shift 2
@@ -73,6 +73,11 @@ for s in "$@"; do
     qkvtest) stage qkvtest 120 $PYTEST tests/kernels/test_qkv_norm_rope_append_kernel.py tests/kernels/test_rms_norm_rope_kernel.py ;;
     attnsplit) MAX_JOBS=16 stage attnsplit 240 python3 benchmarks/bench_attention.py --variants fa2 --split auto c4 c8 c16 \
             --batch 1 8 --context 160 1024 4096 --json "$OUT/attention_split.jsonl" ;;
+    dectest) stage dectest 200 $PYTEST -s tests/kernels/test_paged_decode_kernel.py tests/gpu/test_gpu_decode_kernel.py ;;
+    gentri) stage gentri 560 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 128 \
+            --systems gemma4opt-paged gemma4opt-paged-fi static_compile eager --json "$OUT/gen.jsonl" ;;
+    attntri) MAX_JOBS=16 stage attntri 300 python3 benchmarks/bench_attention.py --variants triton fa2 \
+            --batch 1 8 32 64 --context 160 1024 4096 --json "$OUT/attention_triton.jsonl" ;;
     *) echo "unknown stage $s" ;;
   esac
 done

@@ -7,6 +7,7 @@ from gemma4opt.patterns import PATTERN_NAMES
 
 _CACHES = ("auto", "dynamic", "static")
 _ATTENTION = ("hf", "paged")
+_DECODE_KERNELS = ("triton", "flashinfer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,11 @@ class Gemma4OptConfig:
         FlashInfer's Python ``plan()`` and call its C++ planner directly, after checking once per
         wrapper that both leave the same data for the GPU (attention/flashinfer_replan.py; off for
         that wrapper, and counted in the report, if not).
+    decode_kernel: with the paged cache on CUDA, the attention kernel of decode steps. "triton":
+        gemma4opt's split-KV kernel (kernels/paged_decode.py), which reads the page lists on the
+        device and needs no per-step host plan; a geometry it does not support uses FlashInfer.
+        "flashinfer": FlashInfer's decode, planned on the host before each step. Prefill always
+        runs FlashInfer.
     decode_buckets: with the paged cache and cuda_graphs, the batch sizes decode graphs are
         captured for; a batch of B replays the smallest bucket >= B, padded with rows of a dummy
         sequence whose page is reserved when the pool is created. ``None`` = 1, 2, 4, 8, then
@@ -66,6 +72,7 @@ class Gemma4OptConfig:
     decode_buckets: tuple[int, ...] | None = None
     deferred_stop: bool | None = None
     fast_replan: bool = True
+    decode_kernel: str = "triton"
 
     def __post_init__(self):
         if self.patterns is not None:
@@ -78,6 +85,8 @@ class Gemma4OptConfig:
             raise ValueError(f"Gemma4OptConfig.cache={self.cache!r}; supported: {list(_CACHES)}")
         if self.attention not in _ATTENTION:
             raise ValueError(f"Gemma4OptConfig.attention={self.attention!r}; supported: {list(_ATTENTION)}")
+        if self.decode_kernel not in _DECODE_KERNELS:
+            raise ValueError(f"Gemma4OptConfig.decode_kernel={self.decode_kernel!r}; supported: {list(_DECODE_KERNELS)}")
         if self.decode_buckets is not None and (not self.decode_buckets or min(self.decode_buckets) <= 0):
             raise ValueError(f"Gemma4OptConfig.decode_buckets={self.decode_buckets!r}: positive batch sizes")
         if self.kv_pool_fraction is not None and not 0 < self.kv_pool_fraction <= 1:

@@ -86,6 +86,13 @@ def build_report(model) -> Report:
         attention = (f"paged (page size {ctx.page_size}; {pools}; {ctx.kv_bytes_held() / 2**20:.1f} MiB of KV "
                      f"held{last}; last graph: {calls}/{state.text_config.num_hidden_layers} layers call "
                      f"gemma4opt.paged_attention)")
+        triton = {k: p.triton_steps for k, p in ctx.plans.items() if p.triton_decode}
+        if triton:
+            attention += "; decode graphs on the Triton kernel: " + ", ".join(
+                f"{k.split('_')[0]}: {n} steps" for k, n in triton.items())
+        off = {k: p.triton_unsupported for k, p in ctx.plans.items() if p.triton_unsupported}
+        if off:
+            attention += "; FlashInfer decode for " + ", ".join(f"{k.split('_')[0]} ({why})" for k, why in off.items())
         replans = {k: p.replan.summary() for k, p in ctx.plans.items() if p.replan is not None}
         if replans:
             attention += "; decode-graph plans: " + ", ".join(f"{k.split('_')[0]}: {v}" for k, v in replans.items())

@@ -41,7 +41,8 @@ class KindPlan:
     """One attention kind's FlashInfer wrapper and the geometry it was built for."""
 
     def __init__(self, workspace, num_qo_heads, num_kv_heads, head_dim, page_size, window, dtype, scale=1.0,
-                 last_token_layers=False, max_pages=0, fast_replan: bool = True):
+                 last_token_layers=False, max_pages=0, fast_replan: bool = True, decode_kernel: str = "flashinfer",
+                 num_sms: int = 132):
         import flashinfer
 
         from gemma4opt.attention.flashinfer_replan import FastReplan
@@ -72,9 +73,22 @@ class KindPlan:
         self._plan_copied: dict[int, torch.cuda.Event] = {}   # wrapper -> event after its plan's copy
         # Decode graphs' replans skip FlashInfer's Python plan() (self-checked; attention/flashinfer_replan.py).
         self.replan = FastReplan() if fast_replan else None
+        # Decode steps on gemma4opt's Triton kernel instead (kernels/paged_decode.py): no plan at all.
+        from gemma4opt.kernels.paged_decode import supported
+
+        self.triton_unsupported = supported(num_qo_heads, num_kv_heads, head_dim) if decode_kernel == "triton" else None
+        self.triton_decode = decode_kernel == "triton" and self.triton_unsupported is None
+        self.num_sms = num_sms
+        self.triton = False          # this step: the Triton kernel (set by use_triton, cleared by plan)
+        self.triton_steps = 0
         self.decode = False
         self.planned = False
         _PLANS[self.key] = self
+
+    def use_triton(self) -> None:
+        """This step is a decode step: the Triton kernel reads the page lists, nothing to plan."""
+        self.triton = self.decode = self.planned = True
+        self.triton_steps += 1
 
     def _graph_wrapper(self, bucket: int):
         w = self.graph_wrappers.get(bucket)
@@ -93,6 +107,7 @@ class KindPlan:
     def plan(self, qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_last_page_len: np.ndarray,
              kv_indices: torch.Tensor, bucket: int | None = None) -> None:
         """Plan this step (``bucket``: a graphed decode step of that many rows, padding included)."""
+        self.triton = False
         B = len(kv_last_page_len)
         kv_indptr = np.ascontiguousarray(kv_indptr, dtype=np.int32)
         # A copy: the decode fast path advances last_page_len in place next step (pages.py).
@@ -143,7 +158,9 @@ class KindPlan:
 
 
 def run_planned(plan_key: int, q: torch.Tensor, kv: torch.Tensor, window: int, scale: float,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, pages: tuple | None = None) -> torch.Tensor:
+    """This step's attention for ``q`` [rows, heads, D]; ``pages`` = the step's device (kv_indptr,
+    kv_indices, kv_last_page_len), which the Triton decode kernel reads."""
     plan = _PLANS.get(plan_key)
     if plan is None or not plan.planned:
         raise RuntimeError(f"gemma4opt.paged_attention: no FlashInfer plan {plan_key} for this step (the paged "
@@ -156,6 +173,10 @@ def run_planned(plan_key: int, q: torch.Tensor, kv: torch.Tensor, window: int, s
             raise RuntimeError("gemma4opt.paged_attention: a last-token query at prefill, but this model has no "
                                "KV-shared layers to plan it for")
         return plan.last_wrapper.run(q, kv)
+    if plan.triton:
+        from gemma4opt.kernels.paged_decode import paged_decode_triton
+
+        return paged_decode_triton(q, kv, *pages, window=max(window, 0), scale=scale, num_sms=plan.num_sms)
     return plan.current.run(q, kv)
 
 
@@ -178,7 +199,7 @@ def workspace_bytes(geometries, max_batch: int, num_sms: int) -> int:
 
 
 def build_plans(text_config, page_size: int, device, dtype, max_pages: int = 0,
-                fast_replan: bool = True, max_batch: int = 1) -> dict[str, KindPlan]:
+                fast_replan: bool = True, max_batch: int = 1, decode_kernel: str = "flashinfer") -> dict[str, KindPlan]:
     """One plan per attention kind present in the model, sharing one float workspace sized for
     decode graphs of up to ``max_batch`` rows."""
     kinds = {}
@@ -187,7 +208,8 @@ def build_plans(text_config, page_size: int, device, dtype, max_pages: int = 0,
     geometries = [(text_config.num_attention_heads, text_config.per_layer_config[layer].num_key_value_heads,
                    text_config.per_layer_config[layer].head_dim) for layer in kinds.values()]
     dev = torch.device(device)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
+    # Off CUDA (the CPU tests, Triton interpreted): a small GPU, so the split grid stays small.
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 2
     workspace = torch.empty(workspace_bytes(geometries, max_batch, sms), dtype=torch.uint8, device=device)
     plans = {}
     for kind, layer in kinds.items():
@@ -196,5 +218,6 @@ def build_plans(text_config, page_size: int, device, dtype, max_pages: int = 0,
         plans[kind] = KindPlan(workspace, text_config.num_attention_heads, lc.num_key_value_heads, lc.head_dim,
                                page_size, window, dtype,
                                last_token_layers=bool(getattr(text_config, "num_kv_shared_layers", 0)),
-                               max_pages=max_pages, fast_replan=fast_replan)
+                               max_pages=max_pages, fast_replan=fast_replan, decode_kernel=decode_kernel,
+                               num_sms=sms)
     return plans

@@ -20,6 +20,8 @@ KINDS = ("sliding_attention", "full_attention")
 # plan read there. Fields not staged are passed as one empty tensor the CUDA op ignores.
 DEVICE_FIELDS = ("kv_indptr", "kv_indices", "kv_last_page_len", "kv_start", "seq_lens", "slot_mapping")
 FLASHINFER_FIELDS = ("kv_indices", "slot_mapping")
+# A decode step whose kind runs the Triton kernel reads the page lists itself (no host plan).
+TRITON_GRAPH_FIELDS = ("kv_indptr", "kv_indices", "kv_last_page_len", "slot_mapping")
 
 
 def kv_producers(cfg) -> dict[int, int]:
@@ -89,14 +91,18 @@ class StepContext:
         # taken now, while the pool is empty, so padding never needs a free page later.
         self.buckets = tuple(oc.decode_buckets or ()) if oc.cuda_graphs else ()
         self.dummy_page = {k: int(self.seqs[k].pool.alloc(1)[0]) for k in KINDS} if self.buckets else {}
-        self.staging = HostStaging(device)
+        # Decode graphs on the Triton kernel take kv_indices at a fixed length (a bucket's rows x
+        # the most live pages a sequence can hold): the staging buffer keeps that much room past it.
+        self.ring = {k: s.ring for k, s in self.seqs.items()}
+        self.staging = HostStaging(device, slack=self.max_batch * max(self.ring.values()))
         # CUDA: FlashInfer planned once per step per kind; CPU: the reference reads the metadata.
         self.plans = {}
         if torch.device(device).type == "cuda":
             from gemma4opt.attention.flashinfer import build_plans
 
             self.plans = build_plans(cfg, oc.page_size, device, dtype, max_pages=n_pages + self.max_batch,
-                                     fast_replan=oc.fast_replan, max_batch=self.max_batch)
+                                     fast_replan=oc.fast_replan, max_batch=self.max_batch,
+                                     decode_kernel=oc.decode_kernel)
         self.plan_key = {k: (self.plans[k].key if k in self.plans else -1) for k in KINDS}
         self.unused = torch.zeros(0, dtype=torch.int32, device=device)
         self.active = False
@@ -140,17 +146,24 @@ class StepContext:
                 raise ValueError("gemma4opt: only decode steps are padded to a graph bucket")
             host = {kind: self._padded(kind, m, pad_to - batch) for kind, m in host.items()}
             token_index, new = np.arange(pad_to), np.ones(pad_to, dtype=np.int64)
-        fields = FLASHINFER_FIELDS if self.plans else DEVICE_FIELDS
-        arrays = {f"{kind}.{f}": getattr(m, f) for kind, m in host.items() for f in fields}
+        graph = pad_to is not None and bool(self.plans)
+        triton = {k for k, p in self.plans.items() if decode and p.triton_decode}
+        fields = {k: (TRITON_GRAPH_FIELDS if k in triton else FLASHINFER_FIELDS) if self.plans else DEVICE_FIELDS
+                  for k in KINDS}
+        arrays = {f"{kind}.{f}": getattr(m, f) for kind, m in host.items() for f in fields[kind]}
         arrays["token_index"] = token_index
         if not self.plans:
             arrays["new_lens"] = new
-        dev = self.staging.stage(arrays)          # one host->device copy for the whole step
-        in_graph = ("slot_mapping",) if pad_to is not None and self.plans else fields
-        self.meta = {kind: {f: dev[f"{kind}.{f}"] if f in in_graph else self.unused for f in DEVICE_FIELDS}
+        pads = {f"{k}.kv_indices": pad_to * self.ring[k] for k in triton} if graph else None
+        dev = self.staging.stage(arrays, pads)          # one host->device copy for the whole step
+        in_graph = {k: (fields[k] if k in triton else ("slot_mapping",)) if graph else fields[k] for k in KINDS}
+        self.meta = {kind: {f: dev[f"{kind}.{f}"] if f in in_graph[kind] else self.unused for f in DEVICE_FIELDS}
                      for kind in KINDS}
         self.token_index, self.new_lens = dev["token_index"], dev.get("new_lens", self.unused)
         for kind, plan in self.plans.items():     # once per step per kind, from host arrays
+            if kind in triton:
+                plan.use_triton()
+                continue
             m = host[kind]
             plan.plan(m.qo_indptr, m.kv_indptr, m.kv_last_page_len, dev[f"{kind}.kv_indices"], bucket=pad_to)
 

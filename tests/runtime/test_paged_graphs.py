@@ -5,6 +5,7 @@ import dataclasses
 import sys
 import types
 
+import pytest
 import torch
 
 import gemma4opt
@@ -33,7 +34,8 @@ def _optimize_with_stand_ins(monkeypatch, model, config=PAGED):
 
     ctx = model._gemma4opt.context
     pages = ctx.seqs["full_attention"].pool.num_pages
-    ctx.plans = build_plans(model.config, config.page_size, "cpu", torch.float32, max_pages=pages + ctx.max_batch)
+    ctx.plans = build_plans(model.config, config.page_size, "cpu", torch.float32, max_pages=pages + ctx.max_batch,
+                            decode_kernel=config.decode_kernel)
     ctx.plan_key = {k: p.key for k, p in ctx.plans.items()}
     return ctx
 
@@ -60,12 +62,17 @@ def test_batches_between_buckets_replay_padded_graphs(monkeypatch):
     decode_steps = 2 * 4 * 9
     assert st.graphed_calls >= decode_steps - st.graph_warmups - st.graph_captures, str(rep)
     assert all(s.pages_held() == 0 for s in ctx.seqs.values())
+    # Every decode step ran the Triton kernel on the page lists (interpreted here), none planned.
+    assert all(p.triton_steps >= decode_steps for p in ctx.plans.values())
+    assert "decode graphs on the Triton kernel" in rep.attention
 
 
-def test_full_pool_still_pads_and_bigger_batches_run_uncaptured(monkeypatch):
+@pytest.mark.parametrize("kernel", ["triton", "flashinfer"])
+def test_full_pool_still_pads_and_bigger_batches_run_uncaptured(monkeypatch, kernel):
     model = tiny("tiny")
     # A pool just big enough for the 4 sequences below: padding must not need a free page.
-    config = dataclasses.replace(PAGED, max_batch_size=4, decode_buckets=(2,), kv_pool_pages=4 * 6 + 1)
+    config = dataclasses.replace(PAGED, max_batch_size=4, decode_buckets=(2,), kv_pool_pages=4 * 6 + 1,
+                                 decode_kernel=kernel)
     ids = prompt(3, 12)
     want = _gen(model, ids, new=8)
     want1 = _gen(model, ids[:1], new=8)
@@ -75,6 +82,7 @@ def test_full_pool_still_pads_and_bigger_batches_run_uncaptured(monkeypatch):
         assert torch.equal(_gen(model, ids, new=8), want)          # bucket 4: one padding row
         assert torch.equal(_gen(model, ids[:1], new=8), want1)     # bucket 2: one padding row
     assert model._gemma4opt.graphed_calls > 0 and not model._gemma4opt.fallbacks
+    assert all((p.triton_steps > 0) == (kernel == "triton") for p in ctx.plans.values())
 
 
 def test_warmup_captures_every_bucket_then_generate_only_replays(monkeypatch, capsys):
