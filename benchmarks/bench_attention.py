@@ -9,7 +9,8 @@ heads, head_dim 512) and per way of running one decode query per sequence over p
 what gemma4opt's decode graphs run), ``decode``
 (BatchDecodeWithPagedKVCacheWrapper on CUDA cores) and ``decode-tc`` (the same with tensor
 cores), and ``triton``: gemma4opt's own split-KV decode kernel (kernels/paged_decode.py, what
-decode graphs run by default; no plan). Each is timed as a CUDA graph of 20 runs (no launch or Python overhead), and the KV bytes
+decode steps run by default; no plan; ``triton-bN-wW-sS`` tries another BLOCK_N / warps / stages).
+Each is timed as a CUDA graph of 20 runs (no launch or Python overhead), and the KV bytes
 a step must read (window-limited) over that time is compared with the measured copy bandwidth.
 
 ``--split`` (``fa2`` only) sets how FlashInfer splits each sequence's KV across CTAs: ``auto``
@@ -67,13 +68,19 @@ def run_case(kind, variant, batch, context, workspace, bw, reps=20, split="auto"
     indptr = torch.arange(0, n_pages + 1, pages_per_seq, dtype=torch.int32)
     indices = torch.randperm(n_pages, dtype=torch.int32).cuda()
     last = torch.full((batch,), context - (pages_per_seq - 1) * PAGE, dtype=torch.int32)
-    if variant == "triton":
+    if variant.startswith("triton"):
         from gemma4opt.kernels.paged_decode import paged_decode_triton
 
-        dev = [t.cuda() for t in (indptr, indices, last)]
+        # The kernel reads a page table: row b's pages in order (ring = pages per sequence).
+        table = indices.view(batch, pages_per_seq)
+        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        return _time(lambda: paged_decode_triton(q, kv, *dev, window=window or 0, scale=1.0, num_sms=sms), reps,
-                     kind, variant, batch, context, window, kvh, d, bw)
+        cfg = None
+        if variant != "triton":         # triton-bN-wW-sS: another launch configuration
+            n, w, st = (int(x[1:]) for x in variant.split("-")[1:])
+            cfg = dict(block_n=n, num_warps=w, num_stages=st)
+        return _time(lambda: paged_decode_triton(q, kv, table, lens, window=window or 0, scale=1.0, num_sms=sms,
+                                                 config=cfg), reps, kind, variant, batch, context, window, kvh, d, bw)
     w = _wrapper(variant, workspace, batch, n_pages, d)
     common = dict(window_left=window - 1 if window else -1, sm_scale=1.0, q_data_type=torch.bfloat16,
                   kv_data_type=torch.bfloat16)
@@ -116,7 +123,7 @@ def main(argv=None):
     ap.add_argument("--context", type=int, nargs="+", default=[160, 4096])
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     ap.add_argument("--variants", nargs="+", default=["prefill", "decode", "decode-tc"],
-                    choices=["prefill", "fa2", "decode", "decode-tc", "triton"])
+                    help="prefill fa2 decode decode-tc triton, or triton-bN-wW-sS (BLOCK_N, warps, stages)")
     ap.add_argument("--split", nargs="+", default=["auto"], help="fa2 only: auto or cN (N chunks per sequence)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

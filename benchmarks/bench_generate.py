@@ -65,7 +65,8 @@ def measure(model, ids, new, device, repeats, **kw):
 GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-inductor": dict(inductor=True),
                      "gemma4opt-captured": dict(inductor=False), "gemma4opt-paged": dict(attention="paged"),
                      # The paged cache with FlashInfer's planned decode instead of the Triton kernel.
-                     "gemma4opt-paged-fi": dict(attention="paged", decode_kernel="flashinfer")}
+                     "gemma4opt-paged-fi": dict(attention="paged", decode_kernel="flashinfer"),
+                     "gemma4opt-paged-auto": dict(attention="paged", decode_kernel="auto")}
 
 
 HEADER = (f"{'batch':>5} {'system':>18} {'warm-up s':>9} {'TTFT ms':>9} {'ms/step':>9} {'tok/s':>9} "

@@ -40,6 +40,54 @@ def _plans(args, device):
             for name, h, kvh, d in KINDS]
 
 
+def begin_step_cost(args) -> None:
+    """Host µs of StepContext.begin_step for graphed decode steps with the Triton decode kernel
+    (the default): page bookkeeping of both kinds, lengths and slots, the table updates, the one
+    staged copy and the device-table scatter; no plan. Stand-in plans: only their choice of
+    kernel matters here (prefill planning is not timed)."""
+    import dataclasses
+    import types
+
+    from transformers import Gemma4TextConfig
+
+    from gemma4opt import Gemma4OptConfig
+    from gemma4opt.runtime.context import StepContext
+
+    class _Plan:
+        triton_decode, key = True, -1
+
+        def use_triton(self):
+            pass
+
+        def plan(self, *a, **k):
+            pass
+
+    # Host work does not depend on head sizes: a small pool, the 31b's layer kinds and window.
+    cfg = Gemma4TextConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, num_global_key_value_heads=1, head_dim=16,
+                           global_head_dim=16, sliding_window=args.window, hidden_size_per_layer_input=0,
+                           layer_types=["sliding_attention", "full_attention"])
+    print(f"# StepContext.begin_step, Triton decode (no plan), graph buckets, context {args.context} (lengths from "
+          f"context/2 to context), page size {args.page_size}, window {args.window}, {args.device}; µs per decode "
+          "step (host, both kinds; median, mean in brackets)")
+    for b in args.batch:
+        oc = Gemma4OptConfig(attention="paged", max_batch_size=b, page_size=args.page_size,
+                             max_seq_len=args.context + args.steps + 16).resolve("cpu")
+        ctx = StepContext(cfg, dataclasses.replace(oc, cuda_graphs=True), args.device, torch.bfloat16)
+        ctx.use_plans({"sliding_attention": _Plan(), "full_attention": _Plan()})
+        cache = types.SimpleNamespace(rows=None)
+        lens = np.random.default_rng(b).integers(args.context // 2, args.context + 1, size=b)
+        mask = torch.from_numpy((np.arange(args.context)[None] >= (args.context - lens)[:, None]).astype(np.int64))
+        ctx.begin_step(cache, b, args.context, mask)
+        bucket = ctx.bucket(b)
+        t = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            ctx.begin_step(cache, b, 1, None, pad_to=bucket)
+            t.append(time.perf_counter() - t0)
+        print(f"{b:>6} {np.median(t) * 1e6:7.1f} ({np.mean(t) * 1e6:5.0f})", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=4096)
@@ -60,7 +108,11 @@ def main(argv=None):
     ap.add_argument("--full-plan", action="store_true", help="with --graph: FlashInfer's plan() every step")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile the plan() calls of the last batch size (where host time goes)")
+    ap.add_argument("--begin-step", action="store_true",
+                    help="time StepContext.begin_step with the Triton decode kernel (no FlashInfer plan) instead")
     args = ap.parse_args(argv)
+    if args.begin_step:
+        return begin_step_cost(args)
     ps = args.page_size
     plans = _plans(args, args.device)
     staged = args.staged if args.staged != "auto" else ("flashinfer" if args.device == "cuda" else "reference")

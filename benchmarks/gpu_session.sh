@@ -76,6 +76,13 @@ for s in "$@"; do
     dectest) stage dectest 200 $PYTEST -s tests/kernels/test_paged_decode_kernel.py tests/gpu/test_gpu_decode_kernel.py ;;
     gentri) stage gentri 560 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 128 \
             --systems gemma4opt-paged gemma4opt-paged-fi static_compile eager --json "$OUT/gen.jsonl" ;;
+    gentri2) stage gentri2 560 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 128 \
+            --systems gemma4opt-paged gemma4opt-paged-auto static_compile eager --json "$OUT/gen.jsonl" ;;
+    attncfg) stage attncfg 300 bash -c 'python3 benchmarks/bench_attention.py --kinds sliding --variants triton \
+            --batch 1 8 32 64 --context 160 1024 4096 --json "$OUT/attention_cfg.jsonl" && \
+            python3 benchmarks/bench_attention.py --kinds full --variants triton triton-b32-w4-s2 triton-b32-w8-s3 \
+            triton-b64-w8-s2 --batch 1 8 32 64 --context 160 1024 4096 --json "$OUT/attention_cfg.jsonl"' ;;
+    stepcost) stage stepcost 120 python3 benchmarks/bench_plan.py --device cuda --begin-step ;;
     attntri) MAX_JOBS=16 stage attntri 300 python3 benchmarks/bench_attention.py --variants triton fa2 \
             --batch 1 8 32 64 --context 160 1024 4096 --json "$OUT/attention_triton.jsonl" ;;
     *) echo "unknown stage $s" ;;

@@ -7,7 +7,7 @@ from gemma4opt.patterns import PATTERN_NAMES
 
 _CACHES = ("auto", "dynamic", "static")
 _ATTENTION = ("hf", "paged")
-_DECODE_KERNELS = ("triton", "flashinfer")
+_DECODE_KERNELS = ("triton", "flashinfer", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +51,9 @@ class Gemma4OptConfig:
     decode_kernel: with the paged cache on CUDA, the attention kernel of decode steps. "triton":
         gemma4opt's split-KV kernel (kernels/paged_decode.py), which reads the page lists on the
         device and needs no per-step host plan; a geometry it does not support uses FlashInfer.
-        "flashinfer": FlashInfer's decode, planned on the host before each step. Prefill always
-        runs FlashInfer.
+        "flashinfer": FlashInfer's decode, planned on the host before each step. "auto": Triton for
+        kinds with head_dim <= 256 (sliding layers), FlashInfer for wider heads (the full layers'
+        512). Prefill always runs FlashInfer.
     decode_buckets: with the paged cache and cuda_graphs, the batch sizes decode graphs are
         captured for; a batch of B replays the smallest bucket >= B, padded with rows of a dummy
         sequence whose page is reserved when the pool is created. ``None`` = 1, 2, 4, 8, then

@@ -76,8 +76,9 @@ class KindPlan:
         # Decode steps on gemma4opt's Triton kernel instead (kernels/paged_decode.py): no plan at all.
         from gemma4opt.kernels.paged_decode import supported
 
-        self.triton_unsupported = supported(num_qo_heads, num_kv_heads, head_dim) if decode_kernel == "triton" else None
-        self.triton_decode = decode_kernel == "triton" and self.triton_unsupported is None
+        want = decode_kernel == "triton" or (decode_kernel == "auto" and head_dim <= 256)
+        self.triton_unsupported = supported(num_qo_heads, num_kv_heads, head_dim) if want else None
+        self.triton_decode = want and self.triton_unsupported is None
         self.num_sms = num_sms
         self.triton = False          # this step: the Triton kernel (set by use_triton, cleared by plan)
         self.triton_steps = 0
@@ -159,8 +160,8 @@ class KindPlan:
 
 def run_planned(plan_key: int, q: torch.Tensor, kv: torch.Tensor, window: int, scale: float,
                 last_only: bool = False, pages: tuple | None = None) -> torch.Tensor:
-    """This step's attention for ``q`` [rows, heads, D]; ``pages`` = the step's device (kv_indptr,
-    kv_indices, kv_last_page_len), which the Triton decode kernel reads."""
+    """This step's attention for ``q`` [rows, heads, D]; ``pages`` = (page table, seq_lens) on the
+    device, which the Triton decode kernel reads (StepContext.begin_step stages them)."""
     plan = _PLANS.get(plan_key)
     if plan is None or not plan.planned:
         raise RuntimeError(f"gemma4opt.paged_attention: no FlashInfer plan {plan_key} for this step (the paged "

@@ -83,6 +83,11 @@ class PagedSequences:
         self.max_seq_len = max_seq_len
         self._cached = None   # (rows, kv_indptr, kv_indices, kv_start) while no page was added or freed
         self._fast = None     # (rows object, decode steps left without page changes, last StepMeta)
+        # With track_updates, every table write is also queued as (flat index, page id) for a
+        # device mirror of the table (take_updates); the Triton decode kernel reads that mirror.
+        self.track_updates = False
+        self._updates: list[tuple[np.ndarray, np.ndarray]] = []
+        self._table_fast = None   # table_step's (rows object, steps left, seq_lens, slots)
 
     def pages_held(self) -> int:
         return int((self.count - self.first)[self.active].sum())
@@ -136,13 +141,13 @@ class PagedSequences:
             seq_of = np.repeat(np.arange(len(rows)), grow)
 
             logical = np.repeat(self.count[rows], grow) + ranks(grow)
-            self.table[rows[seq_of], logical % ring] = ids
+            self._set_pages(rows[seq_of], logical % ring, ids)
             self.count[rows] = need_total
             grow_ids = (grow, ids)
         self.seq_len[rows] = new_len
         self.active[rows] = True
         meta = self._meta(rows, old_len, new, new_len, drop, grow_ids)
-        self._fast = None
+        self._fast = self._table_fast = None
         if decode:
             self._fast = (rows_in, self._fast_steps(rows, new_len), meta)
         return meta
@@ -175,7 +180,7 @@ class PagedSequences:
             count = self.count[new_rows]
             self._check_ring(count + 1 - self.first[new_rows])
             ids = self.pool.alloc(len(new_rows))
-            self.table[new_rows, count % ring] = ids
+            self._set_pages(new_rows, count % ring, ids)
             self.count[new_rows] = count + 1
         else:
             grow = None
@@ -185,6 +190,68 @@ class PagedSequences:
         slots = self.table[rows, (old // ps) % ring].astype(np.int64) * ps + off
         return StepMeta(kv_indptr, kv_indices, (off + 1).astype(np.int32), kv_start,
                         np.arange(len(rows) + 1, dtype=np.int32), slots, new_len)
+
+    def _set_pages(self, rows, cols, ids) -> None:
+        self.table[rows, cols] = ids
+        if self.track_updates:
+            self._updates.append((rows * self.ring + cols, ids))
+
+    def take_updates(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(flat indices into the [max_batch, ring] table, page ids) of every table write since
+        the last call, in order (a later write to a slot wins); None when there was none."""
+        ups, self._updates = self._updates, []
+        if len(ups) <= 1:
+            return ups[0] if ups else None
+        return np.concatenate([u[0] for u in ups]), np.concatenate([u[1] for u in ups])
+
+    def table_step(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A decode step (one token per sequence) for the Triton kernel, which reads the page table
+        and the lengths, not page lists: returns (seq_lens after the step, slot of each new token).
+
+        Pages are added and freed as in ``step``, and table writes queued (``track_updates``);
+        no page lists are built. While no sequence crosses a page or drops one out of its window,
+        the last step's arrays are advanced in place. They are valid until the next step.
+        """
+        fast = self._table_fast
+        if fast is not None and fast[0] is rows and fast[1] > 0:
+            _, left, lens, slots = fast
+            self._table_fast = (rows, left - 1, lens, slots)
+            self.seq_len[rows] += 1
+            lens += 1
+            slots += 1
+            return lens, slots
+        self._cached = self._fast = None          # the page lists, if a later step wants them, are regathered
+        rows_in, rows = rows, np.asarray(rows, dtype=np.int64)
+        ps, ring = self.pool.page_size, self.ring
+        old = self.seq_len[rows]
+        if int(old.max()) >= self.max_seq_len:
+            self._too_long(rows, old + 1)
+        if self.window is not None:
+            first = self.first[rows]
+            drop = np.maximum(old - (self.window - 1), 0) // ps - first     # pages now out of every window
+            top = int(drop.max())
+            if top == 1:                # the usual case: a row drops its oldest page (masks, no repeats)
+                gone = drop > 0
+                self.pool.free(self.table[rows[gone], first[gone] % ring])
+                self.first[rows] = first + gone
+            elif top > 1:               # the first decode step after a long prefill
+                drop = np.maximum(drop, 0)
+                self._release(rows, first, drop)
+                self.first[rows] = first + drop
+        off = old % ps
+        grow = off == 0
+        if grow.any():
+            # No ring check: a decode step adds one page only where the window (or max_seq_len,
+            # checked above) leaves room for it, as the ring was sized for.
+            new_rows = rows[grow]
+            count = self.count[new_rows]
+            self._set_pages(new_rows, count % ring, self.pool.alloc(len(new_rows)))
+            self.count[new_rows] = count + 1
+        lens = old + 1
+        self.seq_len[rows] = lens
+        slots = self.table[rows, (old // ps) % ring].astype(np.int64) * ps + off
+        self._table_fast = (rows_in, self._fast_steps(rows, lens), lens, slots)
+        return lens, slots
 
     def _too_long(self, rows, new_len):
         i = int(np.argmax(new_len > self.max_seq_len))
@@ -253,6 +320,6 @@ class PagedSequences:
         rows = np.asarray(rows, dtype=np.int64)
         rows = rows[self.active[rows]]
         self._release(rows, self.first[rows], self.count[rows] - self.first[rows])
-        self._cached = self._fast = None
+        self._cached = self._fast = self._table_fast = None
         self.seq_len[rows] = self.first[rows] = self.count[rows] = 0
         self.active[rows] = False

@@ -14,9 +14,8 @@ import torch
 
 
 class HostStaging:
-    def __init__(self, device, capacity: int = 1 << 16, slack: int = 0):
+    def __init__(self, device, capacity: int = 1 << 16):
         self.device = torch.device(device)
-        self.slack = slack            # room past the staged data for views padded to a fixed length
         self.cuda = self.device.type == "cuda"
         self.copies = 0                # host->device copies issued (one per step)
         self._slot = 0
@@ -25,18 +24,12 @@ class HostStaging:
     def _alloc(self, capacity: int) -> None:
         self.capacity = capacity
         buffers = 2 if self.cuda else 1
-        size = capacity + self.slack
-        self.host = [torch.empty(size, dtype=torch.int32, pin_memory=self.cuda) for _ in range(buffers)]
+        self.host = [torch.empty(capacity, dtype=torch.int32, pin_memory=self.cuda) for _ in range(buffers)]
         self.events = [None] * len(self.host)
-        self.dev = torch.empty(size, dtype=torch.int32, device=self.device) if self.cuda else None
+        self.dev = torch.empty(capacity, dtype=torch.int32, device=self.device) if self.cuda else None
 
-    def stage(self, arrays: dict[str, np.ndarray], pads: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
-        """Device int32 tensors (views of one buffer) with the contents of ``arrays``.
-
-        ``pads``: 1-D arrays whose view is ``pads[name]`` long whatever their size (a CUDA graph
-        input keeps its shape); past the array's own elements the view holds stale values, which
-        the consumer must not read. Only the arrays' own elements are copied.
-        """
+    def stage(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Device int32 tensors (views of one buffer) with the contents of ``arrays``."""
         vals = [np.asarray(a) for a in arrays.values()]
         sizes = [a.size for a in vals]
         total = sum(sizes)
@@ -59,12 +52,4 @@ class HostStaging:
             base = host
         self.copies += 1
         views = base[:total].split(sizes)
-        out = {name: (v if a.ndim == 1 else v.view(a.shape)) for name, v, a in zip(arrays, views, vals)}
-        for name, n in (pads or {}).items():
-            v = out[name]
-            off = v.storage_offset() - base.storage_offset()
-            if n < v.numel() or off + n > base.numel():
-                raise ValueError(f"HostStaging: {name} has {v.numel()} elements, padded view of {n} does not fit "
-                                 f"(room {base.numel() - off})")
-            out[name] = base[off:off + n]
-        return out
+        return {name: (v if a.ndim == 1 else v.view(a.shape)) for name, v, a in zip(arrays, views, vals)}

@@ -43,7 +43,7 @@ def add_rms_norm_triton(x, residual, weight, eps, scale, next_weight, next_eps):
     s = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     n = torch.empty_like(s)
     if s.shape[0]:
-        block, warps = row_launch(D)
+        block, warps = row_launch(D, s.shape[0])
         _add_rms_norm_kernel[(s.shape[0],)](
             x2, r2, weight, scale if scale is not None else weight, next_weight, s, n,
             x2.stride(0), r2.stride(0), s.stride(0), n.stride(0), D, eps, next_eps,

@@ -4,7 +4,7 @@ Why not FlashInfer's decode here: its kernels need a host-side ``plan()`` every 
 schedule depends on the page counts), which costs hundreds of µs of host time per step, and at
 small batches its tensor-core decode takes ~13 µs per layer for a few hundred tokens (measured
 on an H200, benchmarks/bench_attention.py), far above what the KV bytes need. This kernel derives
-everything from the page lists on the device, so a decode graph replays it with no plan at all.
+everything from the device page table and the lengths, so a decode graph replays it with no plan.
 
 Grid (rows, kv_heads, splits): a program takes the GROUP query heads that share one KV head and
 one contiguous chunk of the visible tokens (chunks are multiples of BLOCK_N; chunks past the end
@@ -13,9 +13,12 @@ its tiles; with more than one split a second kernel merges the partial outputs b
 The split count depends on shapes only (rows, kv heads, SMs), never on lengths: a graph captured
 for a bucket stays valid for every length distribution.
 
-Tokens are indexed relative to the first live page (sliding kinds drop whole pages that left the
-window, so relative distances equal absolute ones): the query is token kv_len - 1 and sees
-tokens >= kv_len - window (HF's bound: the window counts the query itself).
+Pages are read through the kind's page table (attention/pages.py keeps it on the host and
+StepContext mirrors its changes to the device): token t of row b sits in page
+``table[b, (t // page_size) % ring]`` at offset ``t % page_size``. Row b holds ``seq_lens[b]``
+tokens; its query is the last one and sees tokens >= seq_len - window (HF's bound: the window
+counts the query itself). The host frees a sliding page only once no query can see it, so every
+slot the kernel reads holds a live page.
 """
 from __future__ import annotations
 
@@ -33,39 +36,45 @@ _COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @triton.jit
-def _tile(q, KV, INDICES, p0, t0, end, kh, s_page, s_kv, s_tok, s_head, scale, m_i, l_i, acc, d,
-          PS: tl.constexpr, BLOCK_N: tl.constexpr, COMPILED: tl.constexpr):
-    """One BLOCK_N-token tile of the online softmax (tokens gathered through the page list)."""
+def _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, scale, m_i, l_i, acc, d,
+          PS: tl.constexpr, BLOCK_N: tl.constexpr, COMPILED: tl.constexpr, IEEE: tl.constexpr):
+    """One BLOCK_N-token tile of the online softmax (tokens gathered through the page table)."""
     t = t0 + tl.arange(0, BLOCK_N)
     tmask = t < end
-    page = tl.load(INDICES + p0 + t // PS, mask=tmask, other=0)
+    page = tl.load(TABLE + row_base + (t // PS) % ring, mask=tmask, other=0)
     base = page.to(tl.int64) * s_page + (t % PS) * s_tok + kh * s_head
     k = tl.load(KV + base[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
     v = tl.load(KV + s_kv + base[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
     if not COMPILED:
         q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k)) * scale
+    if IEEE:        # fp32 models: exact products (Triton's default for fp32 dots is TF32, ~1e-3 off)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale
     s = tl.where(tmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _decode_split_kernel(Q, KV, INDPTR, INDICES, LAST, O, OP, LSE,
-                         sq_b, sq_h, s_page, s_kv, s_tok, s_head, so_b, so_h, sp_b, sp_h, sp_s, sl_b, sl_h,
-                         window, scale,
+def _decode_split_kernel(Q, KV, TABLE, LENS, O, OP, LSE,
+                         sq_b, sq_h, s_page, s_kv, s_tok, s_head, s_table, ring, so_b, so_h, sp_b, sp_h, sp_s,
+                         sl_b, sl_h, window, scale,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, COMPILED: tl.constexpr):
+                         BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, COMPILED: tl.constexpr,
+                         IEEE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
-    p0 = tl.load(INDPTR + b)
-    p1 = tl.load(INDPTR + b + 1)
-    kv_len = (p1 - p0 - 1) * PS + tl.load(LAST + b)
+    kv_len = tl.load(LENS + b)
+    row_base = b * s_table
     lo = 0
     if window > 0:
         lo = tl.maximum(kv_len - window, 0)
@@ -83,13 +92,13 @@ def _decode_split_kernel(Q, KV, INDPTR, INDICES, LAST, O, OP, LSE,
     acc = tl.zeros([G_PAD, D], tl.float32)
     if COMPILED:
         for t0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _tile(q, KV, INDICES, p0, t0, end, kh, s_page, s_kv, s_tok, s_head, scale, m_i, l_i, acc,
-                                  d, PS, BLOCK_N, COMPILED)
+            m_i, l_i, acc = _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, scale,
+                                  m_i, l_i, acc, d, PS, BLOCK_N, COMPILED, IEEE)
     else:
         t0 = start
         while t0 < end:
-            m_i, l_i, acc = _tile(q, KV, INDICES, p0, t0, end, kh, s_page, s_kv, s_tok, s_head, scale, m_i, l_i, acc,
-                                  d, PS, BLOCK_N, COMPILED)
+            m_i, l_i, acc = _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, scale,
+                                  m_i, l_i, acc, d, PS, BLOCK_N, COMPILED, IEEE)
             t0 += BLOCK_N
     empty = l_i == 0.0              # a split past the end (or a chunk with nothing visible)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -103,21 +112,19 @@ def _decode_split_kernel(Q, KV, INDPTR, INDICES, LAST, O, OP, LSE,
 
 @triton.jit
 def _merge_kernel(OP, LSE, O, sp_b, sp_h, sp_s, sl_b, sl_h, so_b, so_h,
-                  D: tl.constexpr, NSPLIT: tl.constexpr, S_PAD: tl.constexpr):
+                  NSPLIT: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One program per (row, head, BLOCK_D columns), every split's partial loaded at once: a loop
+    # over splits would wait on one load after another (64 round trips at a batch of one).
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     s = tl.arange(0, S_PAD)
     lse = tl.load(LSE + b * sl_b + h * sl_h + s, mask=s < NSPLIT, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.exp(lse - m)                 # splits past the end: lse -inf, weight 0
-    w = w / tl.sum(w, 0)
-    d = tl.arange(0, D)
-    acc = tl.zeros([D], tl.float32)
-    for i in range(NSPLIT):
-        wi = tl.sum(tl.where(s == i, w, 0.0), 0)
-        if wi > 0:
-            acc += wi * tl.load(OP + b * sp_b + h * sp_h + i * sp_s + d)
-    tl.store(O + b * so_b + h * so_h + d, acc.to(O.dtype.element_ty))
+    live = lse > float("-inf")          # splits past the end hold nothing: not even read
+    w = tl.where(live, tl.exp(lse - tl.max(lse, 0)), 0.0)
+    part = tl.load(OP + b * sp_b + h * sp_h + s[:, None] * sp_s + d[None, :], mask=live[:, None], other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(O + b * so_b + h * so_h + d, out.to(O.dtype.element_ty))
 
 
 def decode_splits(rows: int, kv_heads: int, num_sms: int) -> int:
@@ -136,10 +143,17 @@ def supported(num_heads: int, kv_heads: int, head_dim: int) -> str | None:
     return None
 
 
-def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                        kv_last_page_len: torch.Tensor, window: int, scale: float, num_sms: int,
-                        splits: int | None = None) -> torch.Tensor:
-    """q [B, H, D] -> out [B, H, D]; kv [pages, 2, page_size, kv_heads, D]; int32 page lists (FlashInfer's)."""
+def launch_config(head_dim: int) -> dict:
+    """BLOCK_N, num_warps, num_stages of the split kernel (benchmarks/bench_attention.py compares others)."""
+    return dict(block_n=16, num_warps=8, num_stages=2) if head_dim >= 512 else dict(block_n=32, num_warps=4,
+                                                                                       num_stages=2)
+
+
+def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor,
+                        window: int, scale: float, num_sms: int, splits: int | None = None,
+                        config: dict | None = None) -> torch.Tensor:
+    """q [B, H, D] -> out [B, H, D]; kv [pages, 2, page_size, kv_heads, D]; table [>= B, ring] and
+    seq_lens [B] int32 (row b of q is row b of the table)."""
     B, H, D = q.shape
     _, _, ps, kvh, dk = kv.shape
     why = supported(H, kvh, D)
@@ -150,22 +164,23 @@ def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, kv_indptr: torch.Tens
     if B == 0:
         return out
     n = splits if splits is not None else decode_splits(B, kvh, num_sms)
-    block_n = 16 if D >= 512 else 32
+    cfg = config or launch_config(D)
     if n > 1:
         part = torch.empty(B, H, n, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, H, n, dtype=torch.float32, device=q.device)
     else:
         part = lse = out                # unused by the kernel
     _decode_split_kernel[(B, kvh, n)](
-        q, kv, kv_indptr, kv_indices, kv_last_page_len, out, part, lse,
-        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-        out.stride(0), out.stride(1), part.stride(0) if n > 1 else 0, part.stride(1) if n > 1 else 0,
+        q, kv, table, seq_lens, out, part, lse,
+        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), table.stride(0),
+        table.shape[1], out.stride(0), out.stride(1), part.stride(0) if n > 1 else 0, part.stride(1) if n > 1 else 0,
         part.stride(2) if n > 1 else 0, lse.stride(0) if n > 1 else 0, lse.stride(1) if n > 1 else 0,
         window, scale,
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, PS=ps, BLOCK_N=block_n, NSPLIT=n, COMPILED=_COMPILED,
-        num_warps=8 if D >= 512 else 4, num_stages=2)
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, PS=ps, BLOCK_N=cfg["block_n"], NSPLIT=n,
+        COMPILED=_COMPILED, IEEE=q.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if n > 1:
-        _merge_kernel[(B, H)](part, lse, out, part.stride(0), part.stride(1), part.stride(2),
-                              lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-                              D=D, NSPLIT=n, S_PAD=triton.next_power_of_2(n), num_warps=4 if D >= 512 else 2)
+        block_d = min(D, 64)
+        _merge_kernel[(B, H, D // block_d)](part, lse, out, part.stride(0), part.stride(1), part.stride(2),
+                                            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+                                            NSPLIT=n, S_PAD=triton.next_power_of_2(n), BLOCK_D=block_d, num_warps=2)
     return out

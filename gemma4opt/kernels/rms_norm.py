@@ -29,7 +29,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) ->
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     rows = x2.shape[0]
     if rows:
-        block, warps = row_launch(D)
+        block, warps = row_launch(D, rows)
         _rms_norm_kernel[(rows,)](
             x2, weight if weight is not None else x2, y, x2.stride(0), y.stride(0), D, eps,
             HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=warps,

@@ -11,7 +11,8 @@ live pages are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
 
 CPU: the reference (gather + SDPA). CUDA: FlashInfer's paged kernels, planned once per
 step per attention kind on the host (attention/flashinfer.py); ``plan_key`` names that plan;
-decode graphs use gemma4opt's Triton split-KV kernel (kernels/paged_decode.py) on the page lists;
+decode steps use gemma4opt's Triton split-KV kernel (kernels/paged_decode.py), and then
+``kv_indices`` is the kind's device page table [max_batch, ring] and ``seq_lens`` the lengths;
 kv_append is a Triton kernel (kernels/kv_append.py). Nothing here reads a device value on the host.
 """
 from __future__ import annotations
@@ -64,8 +65,8 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_indptr: torch.Tensor, 
 
 def paged_attention_flashinfer(q, kv, kv_indptr, kv_indices, kv_last_page_len, kv_start, seq_lens, new_lens,
                                token_index, window, scale, plan_key):
-    """The CUDA implementation (FlashInfer planned by the step, or at decode graphs the Triton kernel on
-    the page lists; other metadata tensors unused here)."""
+    """The CUDA implementation (FlashInfer planned by the step, or at decode steps the Triton kernel on
+    the page table; other metadata tensors unused here)."""
     from gemma4opt.attention.flashinfer import run_planned
 
     B, Tq = q.shape[:2]
@@ -73,7 +74,7 @@ def paged_attention_flashinfer(q, kv, kv_indptr, kv_indices, kv_last_page_len, k
         # Decode, or a KV-shared layer at prefill (HF runs those on the last token only): one
         # query per sequence, always a real token. Shapes alone tell which plan (no device read).
         flat = run_planned(plan_key, q.reshape(B, *q.shape[2:]).contiguous(), kv, window, scale,
-                           last_only=token_index.shape[0] != B, pages=(kv_indptr, kv_indices, kv_last_page_len))
+                           last_only=token_index.shape[0] != B, pages=(kv_indices, seq_lens))
         return flat.reshape(q.shape)
     if token_index.shape[0] > B * Tq:
         raise ValueError(f"gemma4opt.paged_attention: {Tq} query rows per sequence but the step has more tokens; "

@@ -20,8 +20,6 @@ KINDS = ("sliding_attention", "full_attention")
 # plan read there. Fields not staged are passed as one empty tensor the CUDA op ignores.
 DEVICE_FIELDS = ("kv_indptr", "kv_indices", "kv_last_page_len", "kv_start", "seq_lens", "slot_mapping")
 FLASHINFER_FIELDS = ("kv_indices", "slot_mapping")
-# A decode step whose kind runs the Triton kernel reads the page lists itself (no host plan).
-TRITON_GRAPH_FIELDS = ("kv_indptr", "kv_indices", "kv_last_page_len", "slot_mapping")
 
 
 def kv_producers(cfg) -> dict[int, int]:
@@ -91,26 +89,38 @@ class StepContext:
         # taken now, while the pool is empty, so padding never needs a free page later.
         self.buckets = tuple(oc.decode_buckets or ()) if oc.cuda_graphs else ()
         self.dummy_page = {k: int(self.seqs[k].pool.alloc(1)[0]) for k in KINDS} if self.buckets else {}
-        # Decode graphs on the Triton kernel take kv_indices at a fixed length (a bucket's rows x
-        # the most live pages a sequence can hold): the staging buffer keeps that much room past it.
-        self.ring = {k: s.ring for k, s in self.seqs.items()}
-        self.staging = HostStaging(device, slack=self.max_batch * max(self.ring.values()))
+        self.staging = HostStaging(device)
+        self.device = torch.device(device)
+        self.unused = torch.zeros(0, dtype=torch.int32, device=device)
         # CUDA: FlashInfer planned once per step per kind; CPU: the reference reads the metadata.
-        self.plans = {}
-        if torch.device(device).type == "cuda":
+        plans = {}
+        if self.device.type == "cuda":
             from gemma4opt.attention.flashinfer import build_plans
 
-            self.plans = build_plans(cfg, oc.page_size, device, dtype, max_pages=n_pages + self.max_batch,
-                                     fast_replan=oc.fast_replan, max_batch=self.max_batch,
-                                     decode_kernel=oc.decode_kernel)
-        self.plan_key = {k: (self.plans[k].key if k in self.plans else -1) for k in KINDS}
-        self.unused = torch.zeros(0, dtype=torch.int32, device=device)
+            plans = build_plans(cfg, oc.page_size, device, dtype, max_pages=n_pages + self.max_batch,
+                                fast_replan=oc.fast_replan, max_batch=self.max_batch, decode_kernel=oc.decode_kernel)
+        self.use_plans(plans)
         self.active = False
         self.last_kv_held = (0, 0)  # (bytes, sequences) when the last generate released its pages
         self.owner = None           # the PagedCache whose rows are in the page tables
         self.meta: dict[str, dict[str, torch.Tensor]] = {}
         self.token_index: torch.Tensor | None = None
         self.new_lens: torch.Tensor | None = None
+        self._real_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def use_plans(self, plans) -> None:
+        """Attention plans per kind (FlashInfer's; the CPU tests pass stand-ins). Kinds whose decode
+        runs the Triton kernel get a device mirror of their page table [max_batch, ring], at a fixed
+        address (decode graphs bake it), kept current by the table writes each step queues."""
+        self.plans = plans
+        self.plan_key = {k: (plans[k].key if k in plans else -1) for k in KINDS}
+        self.tables = {}
+        for kind, plan in plans.items():
+            seqs = self.seqs[kind]
+            seqs.track_updates = plan.triton_decode
+            if plan.triton_decode:
+                self.tables[kind] = torch.from_numpy(seqs.table).to(self.device, copy=True)
+                mark_fixed(self.tables[kind])
 
     def bucket(self, batch: int) -> int | None:
         """The smallest decode-graph bucket that holds ``batch`` rows (None: larger than all)."""
@@ -121,7 +131,8 @@ class StepContext:
 
         ``pad_to``: a graphed decode step of ``pad_to`` rows, the last ones padding (dummy
         sequence). The graph then gets only fixed-shape tensors: with FlashInfer, whose plan holds
-        the page lists, kv_indices stays out of it.
+        the page lists, kv_indices stays out of it; with the Triton kernel, the kind's device page
+        table (fixed address) and the lengths.
         """
         decode = cache.rows is not None and tokens == 1
         if cache.rows is None:
@@ -137,35 +148,71 @@ class StepContext:
             else:
                 real = np.ones((batch, tokens), dtype=bool)
         else:
-            real = np.ones((batch, tokens), dtype=bool)
-        new = real.sum(1)
-        token_index = np.flatnonzero(real.reshape(-1))
-        host = {kind: self.seqs[kind].step(cache.rows, new, decode) for kind in KINDS}
+            real = None
+        if real is None:       # every token real: decode steps (cached per batch size)
+            new, token_index = self._all_real(batch, tokens)
+        else:
+            new = real.sum(1)
+            token_index = np.flatnonzero(real.reshape(-1))
+        # Kinds whose decode runs the Triton kernel: lengths and slots only, no page lists, no plan.
+        triton = [k for k in self.tables if decode]
+        host = {kind: self.seqs[kind].step(cache.rows, new, decode) for kind in KINDS if kind not in triton}
+        lens_slots = {kind: self.seqs[kind].table_step(cache.rows) for kind in triton}
         if pad_to is not None:
             if not decode:
                 raise ValueError("gemma4opt: only decode steps are padded to a graph bucket")
             host = {kind: self._padded(kind, m, pad_to - batch) for kind, m in host.items()}
-            token_index, new = np.arange(pad_to), np.ones(pad_to, dtype=np.int64)
+            lens_slots = {kind: self._padded_lens(kind, *ls, pad_to - batch) for kind, ls in lens_slots.items()}
+            new, token_index = self._all_real(pad_to, 1)
         graph = pad_to is not None and bool(self.plans)
-        triton = {k for k, p in self.plans.items() if decode and p.triton_decode}
-        fields = {k: (TRITON_GRAPH_FIELDS if k in triton else FLASHINFER_FIELDS) if self.plans else DEVICE_FIELDS
-                  for k in KINDS}
-        arrays = {f"{kind}.{f}": getattr(m, f) for kind, m in host.items() for f in fields[kind]}
+        fields = FLASHINFER_FIELDS if self.plans else DEVICE_FIELDS
+        arrays = {f"{kind}.{f}": getattr(m, f) for kind, m in host.items() for f in fields}
+        for kind, (lens, slots) in lens_slots.items():
+            arrays["seq_lens"] = lens           # one page size, one token per step: equal for every kind
+            arrays[f"{kind}.slot_mapping"] = slots
+        updates = {kind: self.seqs[kind].take_updates() for kind in self.tables}
+        for kind, u in updates.items():
+            if u is not None:
+                arrays[f"{kind}.upd_idx"], arrays[f"{kind}.upd_ids"] = u
         arrays["token_index"] = token_index
         if not self.plans:
             arrays["new_lens"] = new
-        pads = {f"{k}.kv_indices": pad_to * self.ring[k] for k in triton} if graph else None
-        dev = self.staging.stage(arrays, pads)          # one host->device copy for the whole step
-        in_graph = {k: (fields[k] if k in triton else ("slot_mapping",)) if graph else fields[k] for k in KINDS}
-        self.meta = {kind: {f: dev[f"{kind}.{f}"] if f in in_graph[kind] else self.unused for f in DEVICE_FIELDS}
-                     for kind in KINDS}
+        dev = self.staging.stage(arrays)          # one host->device copy for the whole step
+        for kind, table in self.tables.items():  # the device tables catch up with the host's writes
+            if updates[kind] is not None:
+                table.view(-1).index_put_((dev[f"{kind}.upd_idx"],), dev[f"{kind}.upd_ids"])
+        in_graph = ("slot_mapping",) if graph else fields
+        self.meta = {kind: {f: dev[f"{kind}.{f}"] if f in in_graph else self.unused for f in DEVICE_FIELDS}
+                     for kind in host}
+        for kind in triton:     # the op reads the table as kv_indices and the lengths as seq_lens
+            self.meta[kind] = {f: self.unused for f in DEVICE_FIELDS}
+            self.meta[kind].update(kv_indices=self.tables[kind], seq_lens=dev["seq_lens"],
+                                   slot_mapping=dev[f"{kind}.slot_mapping"])
         self.token_index, self.new_lens = dev["token_index"], dev.get("new_lens", self.unused)
         for kind, plan in self.plans.items():     # once per step per kind, from host arrays
             if kind in triton:
                 plan.use_triton()
-                continue
-            m = host[kind]
-            plan.plan(m.qo_indptr, m.kv_indptr, m.kv_last_page_len, dev[f"{kind}.kv_indices"], bucket=pad_to)
+            else:
+                m = host[kind]
+                plan.plan(m.qo_indptr, m.kv_indptr, m.kv_last_page_len, dev[f"{kind}.kv_indices"], bucket=pad_to)
+
+    def _all_real(self, batch: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """(new tokens per row, flat token index) when every token is real; cached, read-only."""
+        key = (batch, tokens)
+        got = self._real_cache.get(key)
+        if got is None:
+            got = self._real_cache[key] = (np.full(batch, tokens, dtype=np.int64), np.arange(batch * tokens))
+            for a in got:
+                a.flags.writeable = False
+        return got
+
+    def _padded_lens(self, kind: str, lens: np.ndarray, slots: np.ndarray, n: int):
+        """Triton-decode lengths and slots plus ``n`` padding rows: one token in the dummy page
+        (the kernel reads table rows past the batch: stale but valid page ids, output unused)."""
+        if n == 0:
+            return lens, slots
+        return (np.concatenate([lens, np.ones(n, dtype=lens.dtype)]),
+                np.concatenate([slots, np.full(n, self.dummy_page[kind] * self.page_size, dtype=slots.dtype)]))
 
     def _padded(self, kind: str, m: StepMeta, n: int) -> StepMeta:
         """``m`` plus ``n`` decode rows of the dummy sequence: one token in the reserved page."""

@@ -87,8 +87,7 @@ def test_flashinfer_path_tokens_equal_eager(monkeypatch, variant):
     want = _gen(model, ids, new=12, attention_mask=mask)
     gemma4opt.optimize(model, PAGED)
     ctx = model._gemma4opt.context
-    ctx.plans = build_plans(model.config, PAGED.page_size, "cpu", torch.float32)
-    ctx.plan_key = {k: p.key for k, p in ctx.plans.items()}   # (before the first call: traced as constants)
+    ctx.use_plans(build_plans(model.config, PAGED.page_size, "cpu", torch.float32))   # (before the first call)
     _StandInWrapper.plans = 0
     with _cpu_runs_flashinfer_path():
         got = _gen(model, ids, new=12, attention_mask=mask)
@@ -150,3 +149,28 @@ def test_workspace_covers_flashinfers_split_kv_scratch_of_the_largest_bucket():
     big = workspace_bytes(kinds, 512, 132)
     assert big >= 32 * 767 * 16 * 513 * 4 > 401_604_608
     assert workspace_bytes(kinds, 1024, 132) > big
+
+
+@pytest.mark.parametrize("variant", ["tiny-ple-shared", "tiny-moe"])
+def test_triton_decode_without_graphs_plans_prefill_only(monkeypatch, variant):
+    """decode_kernel="triton" (the default) off graphs: FlashInfer plans the prefill, decode steps
+    run the Triton kernel (interpreted here) on the mirrored page tables; tokens equal eager."""
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
+        BatchPrefillWithPagedKVCacheWrapper=_StandInWrapper))
+    from gemma4opt.attention.flashinfer import build_plans
+
+    model = tiny(variant)
+    ids = prompt(2, WINDOW + 6)
+    want = _gen(model, ids, new=12)
+    gemma4opt.optimize(model, PAGED)
+    ctx = model._gemma4opt.context
+    ctx.use_plans(build_plans(model.config, PAGED.page_size, "cpu", torch.float32, decode_kernel="triton"))
+    _StandInWrapper.plans = 0
+    with _cpu_runs_flashinfer_path():
+        got = _gen(model, ids, new=12)
+    assert torch.equal(got, want)
+    shared = model.config.num_kv_shared_layers > 0
+    assert _StandInWrapper.plans == 2 + (2 if shared else 0)            # the prefill's, nothing per decode step
+    assert all(p.triton_steps == 11 for p in ctx.plans.values())
+    for kind, table in ctx.tables.items():                               # the mirror equals the host's table
+        assert torch.equal(table, torch.from_numpy(ctx.seqs[kind].table))

@@ -106,3 +106,32 @@ def test_decode_fast_path_and_list_edits_equal_full_rebuild(window, ps):
         assert fast.pool.free_pages == slow.pool.free_pages
     if ps > 4:
         assert fast_steps > 20, "the fast path should serve steps where no page changes"
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_table_steps_match_page_list_steps_and_queue_every_table_write(window):
+    """table_step (the Triton decode path) against step(): same lengths, slots, frees and table;
+    replaying the queued writes onto a copy of the table (the device mirror) reproduces it."""
+    ps = 4
+    a, b = (PagedSequences(PagePool(120, ps), max_batch=5, max_seq_len=70, window=window) for _ in range(2))
+    b.track_updates = True
+    mirror = b.table.copy()
+    rows = np.arange(5)
+    prompt = np.array([1, 9, 4, 16, 13])             # page boundaries crossed on different steps
+    a.step(rows, prompt)
+    b.step(rows, prompt)
+    for step in range(40):
+        m = a.step(rows, np.ones(5, dtype=np.int64), decode=True)
+        lens, slots = b.table_step(rows)
+        assert np.array_equal(lens, m.seq_lens) and np.array_equal(slots, m.slot_mapping), step
+        assert a.pool.free_pages == b.pool.free_pages, step
+        up = b.take_updates()
+        if up is not None:
+            mirror.reshape(-1)[up[0]] = up[1]
+        assert np.array_equal(mirror, b.table), step
+        # Every token the query sees sits in the ring slot the kernel reads.
+        for r in rows:
+            lo = max(lens[r] - window, 0) if window else 0
+            for t in range(lo, lens[r]):
+                assert mirror[r, (t // ps) % b.ring] == m.kv_indices[m.kv_indptr[r] + t // ps - a.first[r]]
+    assert b.take_updates() is None

@@ -17,18 +17,3 @@ def test_views_hold_each_array_and_one_copy_per_step():
             assert np.array_equal(out[name].numpy(), a)
         assert st.copies == step + 1
     assert st.capacity >= 3 + 3 + 10 + 1, "grows past its first capacity"
-
-
-def test_padded_views_keep_their_length_and_their_data():
-    st = HostStaging("cpu", capacity=8, slack=12)
-    for n in (3, 9, 1):          # a decode graph's kv_indices: fewer or more pages each step, one shape
-        arrays = {"indices": np.arange(n), "slots": np.array([5, 6])}
-        out = st.stage(arrays, pads={"indices": 12})
-        assert out["indices"].shape == (12,) and np.array_equal(out["indices"][:n].numpy(), np.arange(n))
-        assert np.array_equal(out["slots"].numpy(), [5, 6])
-    try:
-        st.stage({"indices": np.arange(5)}, pads={"indices": 4})
-    except ValueError as e:
-        assert "indices has 5 elements" in str(e)
-    else:
-        raise AssertionError("a pad shorter than the array must be refused")

@@ -6,56 +6,62 @@ from gemma4opt.kernels.paged_decode import decode_splits, paged_decode_triton, s
 from tests.kernels.conftest import DEVICE, DTYPES, close
 
 
-def _batch(lens, ps, kvh, D, dtype, window, g, dead_pages=None):
-    """A pool with shuffled pages; sliding rows start at a page the window still sees."""
-    dead_pages = dead_pages or [0] * len(lens)
-    live = [-(-n // ps) - d for n, d in zip(lens, dead_pages)]
-    pages = sum(live) + 3
+def _batch(lens, ps, kvh, D, dtype, window, g, ring=None):
+    """A pool with shuffled pages, a ring-ordered page table per row (what attention/pages.py keeps:
+    logical page j in slot j % ring; slots the window no longer sees hold other rows' pages, as
+    after a free and reuse) and the same pages as FlashInfer's page lists, for the reference."""
+    ring = ring or max(-(-n // ps) for n in lens) + 1
+    pages = len(lens) * ring + 3
     kv = torch.randn(pages, 2, ps, kvh, D, generator=g).to(dtype)
-    perm = torch.randperm(pages, generator=g)[:sum(live)].to(torch.int32)
-    indptr = torch.tensor([0, *torch.tensor(live).cumsum(0).tolist()], dtype=torch.int32)
-    last = torch.tensor([(n - 1) % ps + 1 for n in lens], dtype=torch.int32)
-    start = torch.tensor([d * ps for d in dead_pages])
-    return kv, indptr, perm, last, start
+    table = torch.randperm(pages, generator=g)[:len(lens) * ring].view(len(lens), ring).to(torch.int32)
+    indptr, indices, last, start = [0], [], [], []
+    for b, n in enumerate(lens):
+        first = max(n - window, 0) // ps if window else 0
+        live = list(range(first, -(-n // ps)))
+        assert len(live) <= ring, "a row sees more pages than its ring holds"
+        indices += [int(table[b, j % ring]) for j in live]
+        indptr.append(len(indices))
+        last.append(n - live[-1] * ps)
+        start.append(first * ps)
+    as32 = lambda x: torch.tensor(x, dtype=torch.int32)   # noqa: E731
+    return kv, table, (as32(indptr), as32(indices), as32(last), torch.tensor(start))
 
 
-CASES = [  # lens, page size, heads, kv heads, D, window, splits
-    ([1], 4, 2, 1, 16, 0, 1),                  # one token, MHA-like group 2 padded to 16 rows
-    ([37, 5, 64], 4, 4, 2, 32, 0, 3),          # ragged, splits with nothing left for some rows
-    ([33, 9], 16, 8, 2, 16, 8, 4),             # window: the last 8 tokens only
-    ([50, 17, 8], 4, 6, 3, 64, 8, 1),          # window at, below and past it; group 2
-    ([200], 16, 8, 1, 32, 0, 7),               # group 8 (full layers' shape), odd split count
+CASES = [  # lens, page size, heads, kv heads, D, window, splits, ring
+    ([1], 4, 2, 1, 16, 0, 1, None),                  # one token, group 2 padded to 16 rows
+    ([37, 5, 64], 4, 4, 2, 32, 0, 3, None),          # ragged, splits with nothing left for some rows
+    ([33, 9], 16, 8, 2, 16, 8, 4, 2),                # window: the last 8 tokens only; the ring wraps
+    ([50, 17, 8], 4, 6, 3, 64, 8, 1, 4),             # window past, below and at it; group 2; ring wraps
+    ([200], 16, 8, 1, 32, 0, 7, None),               # group 8 (full layers' shape), odd split count
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES)
 def test_matches_reference(dtype, case):
-    lens, ps, H, kvh, D, window, splits = case
+    lens, ps, H, kvh, D, window, splits, ring = case
     g = torch.Generator().manual_seed(sum(lens) + D)
-    # Sliding rows whose window has left whole pages behind hold only the live ones.
-    dead = [max(n - window, 0) // ps if window else 0 for n in lens]
-    kv, indptr, indices, last, start = _batch(lens, ps, kvh, D, dtype, window, g, dead)
+    kv, table, (indptr, indices, last, start) = _batch(lens, ps, kvh, D, dtype, window, g, ring)
     q = torch.randn(len(lens), H, D, generator=g).to(dtype)
     scale = 0.7
     want = paged_attention_reference(q.float(), kv.float(), indptr, indices, last, start,
                                      torch.arange(len(lens) + 1, dtype=torch.int32), torch.tensor(lens),
                                      window or None, scale)
-    dev = [t.to(DEVICE) for t in (q, kv, indptr, indices, last)]
+    lens32 = torch.tensor(lens, dtype=torch.int32)
+    dev = [t.to(DEVICE) for t in (q, kv, table, lens32)]
     got = paged_decode_triton(*dev, window=window, scale=scale, num_sms=4, splits=splits)
     close(got.cpu(), want, dtype)
 
 
-def test_padding_rows_and_stale_indices_are_harmless():
-    # Decode graphs pass kv_indices at a fixed capacity whose tail is stale: never read.
+def test_table_rows_past_the_batch_are_not_read():
+    # A decode graph's table has max_batch_size rows; a smaller bucket reads only its own.
     g = torch.Generator().manual_seed(3)
-    kv, indptr, indices, last, start = _batch([21, 1], 4, 2, 16, torch.float32, 0, g)
+    kv, table, _ = _batch([21, 1], 4, 2, 16, torch.float32, 0, g)
     q = torch.randn(2, 2, 16, generator=g)
-    stale = torch.cat([indices, torch.full((50,), 10**6, dtype=torch.int32)])
-    a = paged_decode_triton(*(t.to(DEVICE) for t in (q, kv, indptr, stale, last)), window=0, scale=1.0,
-                            num_sms=4, splits=2)
-    b = paged_decode_triton(*(t.to(DEVICE) for t in (q, kv, indptr, indices, last)), window=0, scale=1.0,
-                            num_sms=4, splits=2)
+    lens = torch.tensor([21, 1], dtype=torch.int32)
+    big = torch.cat([table, torch.full((5, table.shape[1]), 10**6, dtype=torch.int32)])
+    a = paged_decode_triton(*(t.to(DEVICE) for t in (q, kv, big, lens)), window=0, scale=1.0, num_sms=4, splits=2)
+    b = paged_decode_triton(*(t.to(DEVICE) for t in (q, kv, table, lens)), window=0, scale=1.0, num_sms=4, splits=2)
     assert torch.equal(a, b)
 
 
@@ -69,5 +75,5 @@ def test_unsupported_geometry_is_named():
     assert "multiple" in supported(6, 4, 64)
     assert "power of two" in supported(8, 2, 48)
     with pytest.raises(ValueError, match="power of two"):
-        paged_decode_triton(torch.zeros(1, 2, 8), torch.zeros(1, 2, 4, 1, 8), torch.zeros(2, dtype=torch.int32),
-                            torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0, 1.0, 4)
+        paged_decode_triton(torch.zeros(1, 2, 8), torch.zeros(1, 2, 4, 1, 8), torch.zeros(1, 2, dtype=torch.int32),
+                            torch.ones(1, dtype=torch.int32), 0, 1.0, 4)

@@ -34,9 +34,8 @@ def _optimize_with_stand_ins(monkeypatch, model, config=PAGED):
 
     ctx = model._gemma4opt.context
     pages = ctx.seqs["full_attention"].pool.num_pages
-    ctx.plans = build_plans(model.config, config.page_size, "cpu", torch.float32, max_pages=pages + ctx.max_batch,
-                            decode_kernel=config.decode_kernel)
-    ctx.plan_key = {k: p.key for k, p in ctx.plans.items()}
+    ctx.use_plans(build_plans(model.config, config.page_size, "cpu", torch.float32, max_pages=pages + ctx.max_batch,
+                              decode_kernel=config.decode_kernel))
     return ctx
 
 
