@@ -82,6 +82,7 @@ for s in "$@"; do
             --batch 1 8 32 64 --context 160 1024 4096 --json "$OUT/attention_cfg.jsonl" && \
             python3 benchmarks/bench_attention.py --kinds full --variants triton triton-b32-w4-s2 triton-b32-w8-s3 \
             triton-b64-w8-s2 --batch 1 8 32 64 --context 160 1024 4096 --json "$OUT/attention_cfg.jsonl"' ;;
+    pagedcore) MAX_JOBS=16 stage pagedcore 480 $PYTEST -s tests/gpu/test_gpu_paged.py -k "sync or bucket or window" ;;
     stepcost) stage stepcost 120 python3 benchmarks/bench_plan.py --device cuda --begin-step ;;
     attntri) MAX_JOBS=16 stage attntri 300 python3 benchmarks/bench_attention.py --variants triton fa2 \
             --batch 1 8 32 64 --context 160 1024 4096 --json "$OUT/attention_triton.jsonl" ;;

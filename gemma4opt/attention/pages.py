@@ -85,7 +85,9 @@ class PagedSequences:
         self._fast = None     # (rows object, decode steps left without page changes, last StepMeta)
         # With track_updates, every table write is also queued as (flat index, page id) for a
         # device mirror of the table (take_updates); the Triton decode kernel reads that mirror.
+        # The mirror may be a slice of a bigger tensor: index = base + row * stride + slot.
         self.track_updates = False
+        self.mirror_base, self.mirror_stride = 0, self.ring
         self._updates: list[tuple[np.ndarray, np.ndarray]] = []
         self._table_fast = None   # table_step's (rows object, steps left, seq_lens, slots)
 
@@ -194,11 +196,11 @@ class PagedSequences:
     def _set_pages(self, rows, cols, ids) -> None:
         self.table[rows, cols] = ids
         if self.track_updates:
-            self._updates.append((rows * self.ring + cols, ids))
+            self._updates.append((rows * self.mirror_stride + cols + self.mirror_base, ids))
 
     def take_updates(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """(flat indices into the [max_batch, ring] table, page ids) of every table write since
-        the last call, in order (a later write to a slot wins); None when there was none."""
+        """(flat indices into the mirror, page ids) of every table write since the last call, in
+        order (a later write to a slot wins); None when there was none."""
         ups, self._updates = self._updates, []
         if len(ups) <= 1:
             return ups[0] if ups else None

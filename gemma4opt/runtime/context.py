@@ -107,6 +107,7 @@ class StepContext:
         self.token_index: torch.Tensor | None = None
         self.new_lens: torch.Tensor | None = None
         self._real_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._arange_dev: dict[int, torch.Tensor] = {}
 
     def use_plans(self, plans) -> None:
         """Attention plans per kind (FlashInfer's; the CPU tests pass stand-ins). Kinds whose decode
@@ -114,13 +115,22 @@ class StepContext:
         address (decode graphs bake it), kept current by the table writes each step queues."""
         self.plans = plans
         self.plan_key = {k: (plans[k].key if k in plans else -1) for k in KINDS}
+        kinds = [k for k, p in plans.items() if p.triton_decode]
+        # One tensor for every kind's table (one scatter a step brings them up to date); each kind
+        # reads its [max_batch, ring] slice.
+        ring = max((self.seqs[k].ring for k in kinds), default=0)
+        self.table_dev = torch.zeros(len(kinds), self.max_batch, ring, dtype=torch.int32, device=self.device)
+        mark_fixed(self.table_dev)
         self.tables = {}
-        for kind, plan in plans.items():
+        for i, kind in enumerate(kinds):
             seqs = self.seqs[kind]
-            seqs.track_updates = plan.triton_decode
-            if plan.triton_decode:
-                self.tables[kind] = torch.from_numpy(seqs.table).to(self.device, copy=True)
-                mark_fixed(self.tables[kind])
+            seqs.track_updates = True
+            seqs.mirror_base, seqs.mirror_stride = i * self.max_batch * ring, ring
+            self.tables[kind] = self.table_dev[i, :, :seqs.ring]
+            self.tables[kind].copy_(torch.from_numpy(seqs.table))
+        for kind in KINDS:
+            if kind not in self.tables:
+                self.seqs[kind].track_updates = False
 
     def bucket(self, batch: int) -> int | None:
         """The smallest decode-graph bucket that holds ``batch`` rows (None: larger than all)."""
@@ -170,17 +180,19 @@ class StepContext:
         for kind, (lens, slots) in lens_slots.items():
             arrays["seq_lens"] = lens           # one page size, one token per step: equal for every kind
             arrays[f"{kind}.slot_mapping"] = slots
-        updates = {kind: self.seqs[kind].take_updates() for kind in self.tables}
-        for kind, u in updates.items():
-            if u is not None:
-                arrays[f"{kind}.upd_idx"], arrays[f"{kind}.upd_ids"] = u
-        arrays["token_index"] = token_index
+        updates = [u for u in (self.seqs[kind].take_updates() for kind in self.tables) if u is not None]
+        if updates:
+            arrays["upd_idx"], arrays["upd_ids"] = (np.concatenate(x) for x in zip(*updates)) if len(updates) > 1 \
+                else updates[0]
+        if graph and self.tables:
+            token_index = None            # a decode graph's rows are 0..pad_to-1: a cached device arange
+        else:
+            arrays["token_index"] = token_index
         if not self.plans:
             arrays["new_lens"] = new
         dev = self.staging.stage(arrays)          # one host->device copy for the whole step
-        for kind, table in self.tables.items():  # the device tables catch up with the host's writes
-            if updates[kind] is not None:
-                table.view(-1).index_put_((dev[f"{kind}.upd_idx"],), dev[f"{kind}.upd_ids"])
+        if updates:                               # the device tables catch up with the host's writes
+            self.table_dev.view(-1).index_put_((dev["upd_idx"],), dev["upd_ids"])
         in_graph = ("slot_mapping",) if graph else fields
         self.meta = {kind: {f: dev[f"{kind}.{f}"] if f in in_graph else self.unused for f in DEVICE_FIELDS}
                      for kind in host}
@@ -188,13 +200,20 @@ class StepContext:
             self.meta[kind] = {f: self.unused for f in DEVICE_FIELDS}
             self.meta[kind].update(kv_indices=self.tables[kind], seq_lens=dev["seq_lens"],
                                    slot_mapping=dev[f"{kind}.slot_mapping"])
-        self.token_index, self.new_lens = dev["token_index"], dev.get("new_lens", self.unused)
+        self.token_index = dev["token_index"] if token_index is not None else self._arange(pad_to)
+        self.new_lens = dev.get("new_lens", self.unused)
         for kind, plan in self.plans.items():     # once per step per kind, from host arrays
             if kind in triton:
                 plan.use_triton()
             else:
                 m = host[kind]
                 plan.plan(m.qo_indptr, m.kv_indptr, m.kv_last_page_len, dev[f"{kind}.kv_indices"], bucket=pad_to)
+
+    def _arange(self, n: int) -> torch.Tensor:
+        t = self._arange_dev.get(n)
+        if t is None:
+            t = self._arange_dev[n] = torch.arange(n, dtype=torch.int32, device=self.device)
+        return t
 
     def _all_real(self, batch: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """(new tokens per row, flat token index) when every token is real; cached, read-only."""

@@ -22,26 +22,32 @@ def test_decode_kernel_matches_reference_at_real_dims(head_dim, heads, kv_heads,
     max_len = 1400
     pool = PagePool(batch * (max_len // ps + 2), ps)
     seqs = PagedSequences(pool, max_batch=batch, max_seq_len=max_len, window=window, max_step_tokens=max_len)
+    ref = PagedSequences(PagePool(pool.num_pages, ps), max_batch=batch, max_seq_len=max_len, window=window,
+                         max_step_tokens=max_len)       # the same allocations, with page lists for the reference
     kv = torch.zeros(pool.num_pages, 2, ps, kv_heads, head_dim, device=dev, dtype=dtype)
     rows = np.arange(batch)
     g = np.random.default_rng(batch)
     lens = g.integers(1, 1300, batch)
     lens[0] = 1300 if batch > 1 else 1030          # past the window of 1024 (or 512)
     meta = seqs.step(rows, lens)
+    ref.step(rows, lens)
     n = int(lens.sum())
     kv_append_reference(kv, torch.randn(n, kv_heads, head_dim, device=dev, dtype=dtype),
                         torch.randn(n, kv_heads, head_dim, device=dev, dtype=dtype),
                         torch.from_numpy(meta.slot_mapping).to(dev))
     for step in range(3):                          # decode steps: each appends one token, then attends
-        meta = seqs.step(rows, np.ones(batch, dtype=np.int64), decode=True)
+        new_lens, slots = seqs.table_step(rows)
+        meta = ref.step(rows, np.ones(batch, dtype=np.int64), decode=True)
+        assert np.array_equal(slots, meta.slot_mapping)
         kv_append_reference(kv, torch.randn(batch, kv_heads, head_dim, device=dev, dtype=dtype),
                             torch.randn(batch, kv_heads, head_dim, device=dev, dtype=dtype),
-                            torch.from_numpy(meta.slot_mapping).to(dev))
+                            torch.from_numpy(slots).to(dev))
         t = {f: torch.from_numpy(np.ascontiguousarray(getattr(meta, f))).to(dev) for f in
              ("kv_indptr", "kv_indices", "kv_last_page_len", "kv_start", "qo_indptr", "seq_lens")}
         q = torch.randn(batch, heads, head_dim, device=dev, dtype=dtype)
-        got = paged_decode_triton(q, kv, t["kv_indptr"].int(), t["kv_indices"].int(), t["kv_last_page_len"].int(),
-                                  window or 0, 1.0, sms)
+        table = torch.from_numpy(seqs.table).to(dev)
+        got = paged_decode_triton(q, kv, table, torch.from_numpy(new_lens.astype(np.int32)).to(dev), window or 0, 1.0,
+                                  sms)
         want = paged_attention_reference(q.float(), kv.float(), t["kv_indptr"], t["kv_indices"].long(),
                                          t["kv_last_page_len"], t["kv_start"], t["qo_indptr"], t["seq_lens"], window,
                                          1.0)
