@@ -208,52 +208,56 @@ class PagedSequences:
 
     def table_step(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A decode step (one token per sequence) for the Triton kernel, which reads the page table
-        and the lengths, not page lists: returns (seq_lens after the step, slot of each new token).
+        and the lengths, not page lists: returns (seq_lens after the step, slot of each new token),
+        valid until the next step.
 
-        Pages are added and freed as in ``step``, and table writes queued (``track_updates``);
-        no page lists are built. While no sequence crosses a page or drops one out of its window,
-        the last step's arrays are advanced in place. They are valid until the next step.
+        The page work is done for up to ``page_size`` steps at once (``_table_plan``): each row gets
+        its next page one page ahead of need, and sliding pages are freed at those steps only, so
+        a row may hold one dead page for at most ``page_size`` steps. The steps in between return
+        precomputed rows of lengths and slots: no numpy work, no table writes to mirror.
         """
-        fast = self._table_fast
-        if fast is not None and fast[0] is rows and fast[1] > 0:
-            _, left, lens, slots = fast
-            self._table_fast = (rows, left - 1, lens, slots)
-            self.seq_len[rows] += 1
-            lens += 1
-            slots += 1
-            return lens, slots
+        plan = self._table_fast
+        if plan is not None and plan[0] is rows and plan[1] < plan[2]:
+            _, j, n, lens, slots = plan
+            self._table_fast = (rows, j + 1, n, lens, slots)
+            self.seq_len[rows] = lens[j]
+            return lens[j], slots[j]
+        return self._table_plan(rows)
+
+    def _table_plan(self, rows_in) -> tuple[np.ndarray, np.ndarray]:
         self._cached = self._fast = None          # the page lists, if a later step wants them, are regathered
-        rows_in, rows = rows, np.asarray(rows, dtype=np.int64)
+        rows = np.asarray(rows_in, dtype=np.int64)
         ps, ring = self.pool.page_size, self.ring
         old = self.seq_len[rows]
-        if int(old.max()) >= self.max_seq_len:
+        top = int(old.max())
+        if top >= self.max_seq_len:
             self._too_long(rows, old + 1)
         if self.window is not None:
             first = self.first[rows]
             drop = np.maximum(old - (self.window - 1), 0) // ps - first     # pages now out of every window
-            top = int(drop.max())
-            if top == 1:                # the usual case: a row drops its oldest page (masks, no repeats)
-                gone = drop > 0
-                self.pool.free(self.table[rows[gone], first[gone] % ring])
-                self.first[rows] = first + gone
-            elif top > 1:               # the first decode step after a long prefill
+            if int(drop.max()) > 0:
                 drop = np.maximum(drop, 0)
                 self._release(rows, first, drop)
                 self.first[rows] = first + drop
-        off = old % ps
-        grow = off == 0
+        # Pages through the one after this step's token's, never past max_seq_len's last one.
+        count = self.count[rows]
+        want = np.minimum(old // ps + 2, -(-self.max_seq_len // ps))
+        grow = np.maximum(want - count, 0)
         if grow.any():
-            # No ring check: a decode step adds one page only where the window (or max_seq_len,
-            # checked above) leaves room for it, as the ring was sized for.
-            new_rows = rows[grow]
-            count = self.count[new_rows]
-            self._set_pages(new_rows, count % ring, self.pool.alloc(len(new_rows)))
-            self.count[new_rows] = count + 1
-        lens = old + 1
-        self.seq_len[rows] = lens
-        slots = self.table[rows, (old // ps) % ring].astype(np.int64) * ps + off
-        self._table_fast = (rows_in, self._fast_steps(rows, lens), lens, slots)
-        return lens, slots
+            self._check_ring(want - self.first[rows])
+            ids = self.pool.alloc(int(grow.sum()))
+            seq_of = np.repeat(np.arange(len(rows)), grow)
+            self._set_pages(rows[seq_of], (np.repeat(count, grow) + ranks(grow)) % ring, ids)
+            count = np.maximum(count, want)
+            self.count[rows] = count
+        # Steps the allocated pages cover for every row, at most page_size (the dead-page lag).
+        n = int(min((count * ps - old).min(), ps, self.max_seq_len - top))
+        pos = old[None, :] + np.arange(n)[:, None]            # [n, rows]: each step's token positions
+        lens = pos + 1
+        slots = self.table[rows[None, :], (pos // ps) % ring].astype(np.int64) * ps + pos % ps
+        self.seq_len[rows] = lens[0]
+        self._table_fast = (rows_in, 1, n, lens, slots)
+        return lens[0], slots[0]
 
     def _too_long(self, rows, new_len):
         i = int(np.argmax(new_len > self.max_seq_len))

@@ -107,7 +107,11 @@ class StepContext:
         self.token_index: torch.Tensor | None = None
         self.new_lens: torch.Tensor | None = None
         self._real_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-        self._arange_dev: dict[int, torch.Tensor] = {}
+        # A decode graph's token index is 0..bucket-1: made once per bucket, at a fixed address the
+        # graphs bake (no per-step copy into the captured inputs).
+        self._arange_dev = {b: torch.arange(b, dtype=torch.int32, device=self.device) for b in self.buckets}
+        for t in self._arange_dev.values():
+            mark_fixed(t)
 
     def use_plans(self, plans) -> None:
         """Attention plans per kind (FlashInfer's; the CPU tests pass stand-ins). Kinds whose decode
@@ -200,7 +204,7 @@ class StepContext:
             self.meta[kind] = {f: self.unused for f in DEVICE_FIELDS}
             self.meta[kind].update(kv_indices=self.tables[kind], seq_lens=dev["seq_lens"],
                                    slot_mapping=dev[f"{kind}.slot_mapping"])
-        self.token_index = dev["token_index"] if token_index is not None else self._arange(pad_to)
+        self.token_index = dev["token_index"] if token_index is not None else self._arange_dev[pad_to]
         self.new_lens = dev.get("new_lens", self.unused)
         for kind, plan in self.plans.items():     # once per step per kind, from host arrays
             if kind in triton:
@@ -208,12 +212,6 @@ class StepContext:
             else:
                 m = host[kind]
                 plan.plan(m.qo_indptr, m.kv_indptr, m.kv_last_page_len, dev[f"{kind}.kv_indices"], bucket=pad_to)
-
-    def _arange(self, n: int) -> torch.Tensor:
-        t = self._arange_dev.get(n)
-        if t is None:
-            t = self._arange_dev[n] = torch.arange(n, dtype=torch.int32, device=self.device)
-        return t
 
     def _all_real(self, batch: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """(new tokens per row, flat token index) when every token is real; cached, read-only."""

@@ -109,29 +109,43 @@ def test_decode_fast_path_and_list_edits_equal_full_rebuild(window, ps):
 
 
 @pytest.mark.parametrize("window", [None, 6])
-def test_table_steps_match_page_list_steps_and_queue_every_table_write(window):
-    """table_step (the Triton decode path) against step(): same lengths, slots, frees and table;
-    replaying the queued writes onto a copy of the table (the device mirror) reproduces it."""
-    ps = 4
+def test_table_steps_hold_what_the_kernel_reads_and_queue_every_table_write(window):
+    """table_step (the Triton decode path) against step(): the same lengths; each slot is the
+    token's page in the table; every token a query sees sits in a distinct page no one else holds
+    or the pool has free; the queued writes replayed on a copy (the device mirror) give the
+    table; dead sliding pages lag by at most one per row, and release returns everything."""
+    ps, rows = 4, np.arange(5)
     a, b = (PagedSequences(PagePool(120, ps), max_batch=5, max_seq_len=70, window=window) for _ in range(2))
     b.track_updates = True
     mirror = b.table.copy()
-    rows = np.arange(5)
     prompt = np.array([1, 9, 4, 16, 13])             # page boundaries crossed on different steps
     a.step(rows, prompt)
     b.step(rows, prompt)
-    for step in range(40):
+    for step in range(50):
         m = a.step(rows, np.ones(5, dtype=np.int64), decode=True)
         lens, slots = b.table_step(rows)
-        assert np.array_equal(lens, m.seq_lens) and np.array_equal(slots, m.slot_mapping), step
-        assert a.pool.free_pages == b.pool.free_pages, step
+        assert np.array_equal(lens, m.seq_lens), step
+        assert np.array_equal(slots // ps, b.table[rows, ((lens - 1) // ps) % b.ring]), step
+        assert np.array_equal(slots % ps, (lens - 1) % ps), step
         up = b.take_updates()
         if up is not None:
             mirror.reshape(-1)[up[0]] = up[1]
         assert np.array_equal(mirror, b.table), step
-        # Every token the query sees sits in the ring slot the kernel reads.
-        for r in rows:
-            lo = max(lens[r] - window, 0) if window else 0
-            for t in range(lo, lens[r]):
-                assert mirror[r, (t // ps) % b.ring] == m.kv_indices[m.kv_indptr[r] + t // ps - a.first[r]]
+        seen = [p for r in rows for p in {int(mirror[r, (t // ps) % b.ring])
+                                          for t in range(max(lens[r] - window, 0) if window else 0, lens[r])}]
+        free = set(b.pool._free[:b.pool.free_pages].tolist())
+        assert len(set(seen)) == len(seen) and not free & set(seen), step
+        assert a.pool.free_pages - b.pool.free_pages <= 2 * len(rows), step   # one ahead + one dead, per row
     assert b.take_updates() is None
+    b.release(rows)
+    assert b.pool.free_pages == b.pool.num_pages
+
+
+def test_table_steps_stop_at_max_seq_len():
+    s = PagedSequences(PagePool(40, 4), max_batch=2, max_seq_len=11)
+    rows = np.arange(2)
+    s.step(rows, np.array([3, 7]))
+    for _ in range(4):
+        s.table_step(rows)
+    with pytest.raises(ValueError, match="max_seq_len is 11"):
+        s.table_step(rows)
