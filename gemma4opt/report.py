@@ -93,7 +93,8 @@ def build_report(model) -> Report:
         off = {k: p.triton_unsupported for k, p in ctx.plans.items() if p.triton_unsupported}
         if off:
             attention += "; FlashInfer decode for " + ", ".join(f"{k.split('_')[0]} ({why})" for k, why in off.items())
-        replans = {k: p.replan.summary() for k, p in ctx.plans.items() if p.replan is not None}
+        replans = {k: p.replan.summary() for k, p in ctx.plans.items()
+                   if p.replan is not None and p.replan.fast_plans + p.replan.full_plans}
         if replans:
             attention += "; decode-graph plans: " + ", ".join(f"{k.split('_')[0]}: {v}" for k, v in replans.items())
     return Report(state.model_class, state.scope, state.disabled_reason, state.graphs_compiled,

@@ -145,10 +145,11 @@ def supported(num_heads: int, kv_heads: int, head_dim: int) -> str | None:
 
 def launch_config(head_dim: int, rows: int) -> dict:
     """BLOCK_N, num_warps, num_stages of the split kernel. Measured on an H200 (benchmarks/
-    bench_attention.py, 31b geometry): head_dim 512 takes 16-token tiles on 8 warps best up to 8
-    rows (7.8 µs against 9.2 at one row of 160 tokens) and 32-token tiles on 4 warps above (64
-    rows of 4096 tokens: 511 µs, 99 % of copy bandwidth, against 928); head_dim 256: 32 on 4."""
-    if head_dim >= 512 and rows <= 8:
+    bench_attention.py, 31b geometry): head_dim 512 takes 16-token tiles on 8 warps best at one
+    row of short context (7.8 µs against 9.2 at 160 tokens) and 32-token tiles on 4 warps from 8
+    rows up (8 rows of 4096 tokens: 90 µs against 128; 64 rows: 511 µs, 99 % of copy bandwidth,
+    against 928); head_dim 256: 32 on 4."""
+    if head_dim >= 512 and rows < 8:
         return dict(block_n=16, num_warps=8, num_stages=2)
     return dict(block_n=32, num_warps=4, num_stages=2)
 
