@@ -5,6 +5,8 @@ as the longest sequence, sliding kinds one just long enough for the window plus 
 tokens, and pages that no query can see any more are returned to the pool every step. Page
 metadata for a step (indptr, indices, last_page_len, slot mapping) comes out of a handful of
 numpy calls whatever the batch size: no Python loop over requests, nothing read from a GPU.
+Decode steps of the Triton kernel (``table_step``) need no page lists, only lengths and slots:
+their page work runs once per ``page_size`` steps (a page ahead; sliding frees up to that late).
 """
 from __future__ import annotations
 
