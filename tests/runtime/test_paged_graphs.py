@@ -19,7 +19,7 @@ from tests.runtime.test_decode_graphs import _cpu_capture, _patch, _RecordingCap
 PAGED = Gemma4OptConfig(attention="paged", page_size=4, max_seq_len=96, max_batch_size=4)
 
 
-def _optimize_with_stand_ins(monkeypatch, model, config=PAGED):
+def _optimize_with_stand_ins(monkeypatch, model, config=PAGED, flashinfer_kinds=()):
     monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
         BatchPrefillWithPagedKVCacheWrapper=_StandInWrapper))
     _patch(monkeypatch)
@@ -34,8 +34,11 @@ def _optimize_with_stand_ins(monkeypatch, model, config=PAGED):
 
     ctx = model._gemma4opt.context
     pages = ctx.seqs["full_attention"].pool.num_pages
-    ctx.use_plans(build_plans(model.config, config.page_size, "cpu", torch.float32, max_pages=pages + ctx.max_batch,
-                              decode_kernel=config.decode_kernel))
+    plans = build_plans(model.config, config.page_size, "cpu", torch.float32, max_pages=pages + ctx.max_batch,
+                        decode_kernel=config.decode_kernel)
+    for kind in flashinfer_kinds:       # as decode_kernel="auto" does for the real models' head_dim 512
+        plans[kind].triton_decode = False
+    ctx.use_plans(plans)
     return ctx
 
 
@@ -66,22 +69,25 @@ def test_batches_between_buckets_replay_padded_graphs(monkeypatch):
     assert "decode graphs on the Triton kernel" in rep.attention
 
 
-@pytest.mark.parametrize("kernel", ["triton", "flashinfer"])
+@pytest.mark.parametrize("kernel", ["triton", "flashinfer", "mixed"])
 def test_full_pool_still_pads_and_bigger_batches_run_uncaptured(monkeypatch, kernel):
     model = tiny("tiny")
     # A pool just big enough for the 4 sequences below: padding must not need a free page.
     config = dataclasses.replace(PAGED, max_batch_size=4, decode_buckets=(2,), kv_pool_pages=4 * 6 + 1,
-                                 decode_kernel=kernel)
+                                 decode_kernel="triton" if kernel == "mixed" else kernel)
     ids = prompt(3, 12)
     want = _gen(model, ids, new=8)
     want1 = _gen(model, ids[:1], new=8)
-    ctx = _optimize_with_stand_ins(monkeypatch, model, config)
+    # mixed: sliding layers on the Triton kernel, full layers on FlashInfer's planned decode.
+    ctx = _optimize_with_stand_ins(monkeypatch, model, config,
+                                   flashinfer_kinds=("full_attention",) if kernel == "mixed" else ())
     assert ctx.buckets == (2, 4)
     with _cpu_runs_flashinfer_path():
         assert torch.equal(_gen(model, ids, new=8), want)          # bucket 4: one padding row
         assert torch.equal(_gen(model, ids[:1], new=8), want1)     # bucket 2: one padding row
     assert model._gemma4opt.graphed_calls > 0 and not model._gemma4opt.fallbacks
-    assert all((p.triton_steps > 0) == (kernel == "triton") for p in ctx.plans.values())
+    triton = {k for k, p in ctx.plans.items() if p.triton_steps > 0}
+    assert triton == {"triton": set(ctx.plans), "flashinfer": set(), "mixed": {"sliding_attention"}}[kernel]
 
 
 def test_warmup_captures_every_bucket_then_generate_only_replays(monkeypatch, capsys):
