@@ -49,8 +49,8 @@ class Gemma4OptConfig:
         wrapper that both leave the same data for the GPU (attention/flashinfer_replan.py; off for
         that wrapper, and counted in the report, if not).
     decode_kernel: with the paged cache on CUDA, the attention kernel of decode steps. "triton":
-        gemma4opt's split-KV kernel (kernels/paged_decode.py), which reads the page lists on the
-        device and needs no per-step host plan; a geometry it does not support uses FlashInfer.
+        gemma4opt's split-KV kernel (kernels/paged_decode.py), which reads a device copy of the page
+        table and needs no per-step host plan; a geometry it does not support uses FlashInfer.
         "flashinfer": FlashInfer's decode, planned on the host before each step. "auto": Triton for
         kinds with head_dim <= 256 (sliding layers), FlashInfer for wider heads (the full layers'
         512). Prefill always runs FlashInfer.

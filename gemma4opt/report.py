@@ -88,7 +88,7 @@ def build_report(model) -> Report:
                      f"gemma4opt.paged_attention)")
         triton = {k: p.triton_steps for k, p in ctx.plans.items() if p.triton_decode}
         if triton:
-            attention += "; decode graphs on the Triton kernel: " + ", ".join(
+            attention += "; decode steps on the Triton kernel: " + ", ".join(
                 f"{k.split('_')[0]}: {n} steps" for k, n in triton.items())
         off = {k: p.triton_unsupported for k, p in ctx.plans.items() if p.triton_unsupported}
         if off:

@@ -112,12 +112,9 @@ class PagedQKVPattern(Pattern):
                 continue
             q = m["q"]
             # After every input: the later of the append (K/V's inputs precede it) and q's rope.
-            if order[q] > order[append]:
-                with gm.graph.inserting_after(q):
-                    fused = gm.graph.call_function(torch.ops.gemma4opt.qkv_norm_rope_append.default, m["args"])
-            else:
-                with gm.graph.inserting_before(append):
-                    fused = gm.graph.call_function(torch.ops.gemma4opt.qkv_norm_rope_append.default, m["args"])
+            at = gm.graph.inserting_after(q) if order[q] > order[append] else gm.graph.inserting_before(append)
+            with at:
+                fused = gm.graph.call_function(torch.ops.gemma4opt.qkv_norm_rope_append.default, m["args"])
             fused.meta = dict(q.meta)
             attn = m["attn"]
             attn.replace_input_with(attn.args[0], fused)

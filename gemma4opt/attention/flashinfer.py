@@ -87,7 +87,7 @@ class KindPlan:
         _PLANS[self.key] = self
 
     def use_triton(self) -> None:
-        """This step is a decode step: the Triton kernel reads the page lists, nothing to plan."""
+        """This step is a decode step: the Triton kernel reads the page table, nothing to plan."""
         self.triton = self.decode = self.planned = True
         self.triton_steps += 1
 

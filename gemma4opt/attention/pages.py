@@ -121,33 +121,13 @@ class PagedSequences:
             self._fast = (rows_in, self._fast_steps(rows, meta.seq_lens), meta)
             return meta
         new = np.asarray(new_tokens, dtype=np.int64)
-        ps, ring = self.pool.page_size, self.ring
+        ps = self.pool.page_size
         old_len = self.seq_len[rows]
         new_len = old_len + new
         if (new_len > self.max_seq_len).any():
             self._too_long(rows, new_len)
-        drop = grow_ids = None
-        # Pages no query of this step can see: every token below (first query position - window + 1).
-        if self.window is not None:
-            dead = np.maximum(old_len - self.window + 1, 0) // ps
-            drop = np.maximum(dead - self.first[rows], 0)
-            if drop.any():
-                self._release(rows, self.first[rows], drop)
-                self.first[rows] += drop
-            else:
-                drop = None
-        need_total = -(-new_len // ps)
-        grow = need_total - self.count[rows]
-        n_alloc = int(grow.sum())
-        if n_alloc:
-            self._check_ring(need_total - self.first[rows])
-            ids = self.pool.alloc(n_alloc)
-            seq_of = np.repeat(np.arange(len(rows)), grow)
-
-            logical = np.repeat(self.count[rows], grow) + ranks(grow)
-            self._set_pages(rows[seq_of], logical % ring, ids)
-            self.count[rows] = need_total
-            grow_ids = (grow, ids)
+        drop = self._drop_out_of_window(rows, old_len)
+        grow_ids = self._grow_to(rows, -(-new_len // ps))
         self.seq_len[rows] = new_len
         self.active[rows] = True
         meta = self._meta(rows, old_len, new, new_len, drop, grow_ids)
@@ -195,6 +175,34 @@ class PagedSequences:
         return StepMeta(kv_indptr, kv_indices, (off + 1).astype(np.int32), kv_start,
                         np.arange(len(rows) + 1, dtype=np.int32), slots, new_len)
 
+    def _drop_out_of_window(self, rows, old) -> np.ndarray | None:
+        """Free the pages no query from position ``old`` on can see (every token below
+        old - window + 1); the pages freed per row, or None (none, or not a sliding kind)."""
+        if self.window is None:
+            return None
+        first = self.first[rows]
+        drop = np.maximum(np.maximum(old - (self.window - 1), 0) // self.pool.page_size - first, 0)
+        if not drop.any():
+            return None
+        self._release(rows, first, drop)
+        self.first[rows] = first + drop
+        return drop
+
+    def _grow_to(self, rows, want) -> tuple[np.ndarray, np.ndarray] | None:
+        """Allocate until each row holds ``want`` logical pages (pages a row already took ahead
+        are kept); (pages added per row, their ids in row order), or None when none was needed."""
+        count = self.count[rows]
+        grow = np.maximum(want - count, 0)
+        n = int(grow.sum())
+        if not n:
+            return None
+        self._check_ring(np.maximum(want, count) - self.first[rows])
+        ids = self.pool.alloc(n)
+        seq_of = np.repeat(np.arange(len(rows)), grow)
+        self._set_pages(rows[seq_of], (np.repeat(count, grow) + ranks(grow)) % self.ring, ids)
+        self.count[rows] = np.maximum(count, want)
+        return grow, ids
+
     def _set_pages(self, rows, cols, ids) -> None:
         self.table[rows, cols] = ids
         if self.track_updates:
@@ -234,24 +242,10 @@ class PagedSequences:
         top = int(old.max())
         if top >= self.max_seq_len:
             self._too_long(rows, old + 1)
-        if self.window is not None:
-            first = self.first[rows]
-            drop = np.maximum(old - (self.window - 1), 0) // ps - first     # pages now out of every window
-            if int(drop.max()) > 0:
-                drop = np.maximum(drop, 0)
-                self._release(rows, first, drop)
-                self.first[rows] = first + drop
+        self._drop_out_of_window(rows, old)
         # Pages through the one after this step's token's, never past max_seq_len's last one.
+        self._grow_to(rows, np.minimum(old // ps + 2, -(-self.max_seq_len // ps)))
         count = self.count[rows]
-        want = np.minimum(old // ps + 2, -(-self.max_seq_len // ps))
-        grow = np.maximum(want - count, 0)
-        if grow.any():
-            self._check_ring(want - self.first[rows])
-            ids = self.pool.alloc(int(grow.sum()))
-            seq_of = np.repeat(np.arange(len(rows)), grow)
-            self._set_pages(rows[seq_of], (np.repeat(count, grow) + ranks(grow)) % ring, ids)
-            count = np.maximum(count, want)
-            self.count[rows] = count
         # Steps the allocated pages cover for every row, at most page_size (the dead-page lag).
         n = int(min((count * ps - old).min(), ps, self.max_seq_len - top))
         pos = old[None, :] + np.arange(n)[:, None]            # [n, rows]: each step's token positions
@@ -293,7 +287,9 @@ class PagedSequences:
             if drop is not None or grow is not None:
                 cached = self._cached = edit_page_lists(cached, drop, grow, ids, ps)
             return cached
-        first, live = self.first[rows], self.count[rows] - self.first[rows]
+        # Live pages from the lengths, not the allocation count: table_step takes a page ahead.
+        first = self.first[rows]
+        live = -(-self.seq_len[rows] // self.pool.page_size) - first
         kv_indptr = np.zeros(len(rows) + 1, dtype=np.int32)
         np.cumsum(live, out=kv_indptr[1:])
         j = np.arange(int(live.max()) if len(rows) else 0)

@@ -170,17 +170,15 @@ def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, 
         return out
     n = splits if splits is not None else decode_splits(B, kvh, num_sms)
     cfg = config or launch_config(D, B)
-    if n > 1:
-        part = torch.empty(B, H, n, D, dtype=torch.float32, device=q.device)
-        lse = torch.empty(B, H, n, dtype=torch.float32, device=q.device)
-    else:
-        part = lse = out                # unused by the kernel
+    # Partial outputs and LSEs per split (one split writes ``out`` directly: placeholders then).
+    shape = (B, H, n) if n > 1 else (1, 1, 1)
+    part = torch.empty(*shape, D if n > 1 else 1, dtype=torch.float32, device=q.device)
+    lse = torch.empty(shape, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(B, kvh, n)](
         q, kv, table, seq_lens, out, part, lse,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), table.stride(0),
-        table.shape[1], out.stride(0), out.stride(1), part.stride(0) if n > 1 else 0, part.stride(1) if n > 1 else 0,
-        part.stride(2) if n > 1 else 0, lse.stride(0) if n > 1 else 0, lse.stride(1) if n > 1 else 0,
-        window, scale,
+        table.shape[1], out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
+        lse.stride(0), lse.stride(1), window, scale,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, PS=ps, BLOCK_N=cfg["block_n"], NSPLIT=n,
         COMPILED=_COMPILED, IEEE=q.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if n > 1:

@@ -188,7 +188,7 @@ class StepContext:
         if updates:
             arrays["upd_idx"], arrays["upd_ids"] = (np.concatenate(x) for x in zip(*updates)) if len(updates) > 1 \
                 else updates[0]
-        if graph and self.tables:
+        if graph:
             token_index = None            # a decode graph's rows are 0..pad_to-1: a cached device arange
         else:
             arrays["token_index"] = token_index

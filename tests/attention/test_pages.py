@@ -149,3 +149,23 @@ def test_table_steps_stop_at_max_seq_len():
         s.table_step(rows)
     with pytest.raises(ValueError, match="max_seq_len is 11"):
         s.table_step(rows)
+
+
+def test_a_multi_token_step_after_table_steps_lists_only_the_pages_in_use():
+    """table_step takes each row's next page ahead; a later step() (several tokens, e.g. appended
+    by an assistant model) must neither list that page early nor allocate around it."""
+    ps, rows = 4, np.arange(3)
+    s = PagedSequences(PagePool(60, ps), max_batch=3, max_seq_len=60, window=None)
+    s.step(rows, np.array([4, 6, 3]))
+    for _ in range(5):
+        s.table_step(rows)
+    meta = s.step(rows, np.array([3, 1, 6]))
+    _check(meta, s, rows, ps, None)
+    assert np.array_equal(meta.seq_lens, [12, 12, 14])
+    pages = [meta.kv_indices[meta.kv_indptr[i]:meta.kv_indptr[i + 1]] for i in rows]
+    for i in rows:                       # each token's slot lies in its row's listed pages, in order
+        pos = meta.seq_lens[i] - np.arange(3 if i == 0 else 1 if i == 1 else 6, 0, -1)
+        slots = meta.slot_mapping[meta.qo_indptr[i]:meta.qo_indptr[i + 1]]
+        assert np.array_equal(slots // ps, pages[i][pos // ps]) and np.array_equal(slots % ps, pos % ps)
+    s.release(rows)
+    assert s.pool.free_pages == s.pool.num_pages             # the page taken ahead is returned too
