@@ -198,8 +198,12 @@ class PagedSequences:
             return None
         self._check_ring(np.maximum(want, count) - self.first[rows])
         ids = self.pool.alloc(n)
-        seq_of = np.repeat(np.arange(len(rows)), grow)
-        self._set_pages(rows[seq_of], (np.repeat(count, grow) + ranks(grow)) % self.ring, ids)
+        if grow.max() == 1:          # decode: one page for some rows (no repeats needed)
+            sel = grow > 0
+            self._set_pages(rows[sel], count[sel] % self.ring, ids)
+        else:
+            seq_of = np.repeat(np.arange(len(rows)), grow)
+            self._set_pages(rows[seq_of], (np.repeat(count, grow) + ranks(grow)) % self.ring, ids)
         self.count[rows] = np.maximum(count, want)
         return grow, ids
 
@@ -248,9 +252,14 @@ class PagedSequences:
         count = self.count[rows]
         # Steps the allocated pages cover for every row, at most page_size (the dead-page lag).
         n = int(min((count * ps - old).min(), ps, self.max_seq_len - top))
-        pos = old[None, :] + np.arange(n)[:, None]            # [n, rows]: each step's token positions
-        lens = pos + 1
-        slots = self.table[rows[None, :], (pos // ps) % ring].astype(np.int64) * ps + pos % ps
+        lens = old[None, :] + np.arange(1, n + 1)[:, None]     # [n, rows]: lengths after each step
+        # Each row's n tokens lie in its current page and (past its end) the next: two gathers of
+        # [rows], not one of [n, rows] (the plan step's largest cost at big batches).
+        page = old // ps
+        here = self.table[rows, page % ring].astype(np.int64) * ps
+        then = self.table[rows, (page + 1) % ring].astype(np.int64) * ps - ps
+        at = lens - 1 - page * ps                             # offset from the current page's start
+        slots = np.where(at < ps, here, then) + at
         self.seq_len[rows] = lens[0]
         self._table_fast = (rows_in, 1, n, lens, slots)
         return lens[0], slots[0]
@@ -315,6 +324,10 @@ class PagedSequences:
                         slots, new_len)
 
     def _release(self, rows, start, n) -> None:
+        if n.max(initial=0) == 1:                   # decode: one page from some rows
+            sel = n > 0
+            self.pool.free(self.table[rows[sel], start[sel] % self.ring])
+            return
         seq_of = np.repeat(np.arange(len(rows)), n)
         logical = np.repeat(start, n) + ranks(n)
         self.pool.free(self.table[rows[seq_of], logical % self.ring])

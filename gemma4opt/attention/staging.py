@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from gemma4opt.runtime.decode_graphs import mark_fixed
+
 
 class HostStaging:
     def __init__(self, device, capacity: int = 1 << 16):
@@ -26,41 +28,56 @@ class HostStaging:
         buffers = 2 if self.cuda else 1
         self.host = [torch.empty(capacity, dtype=torch.int32, pin_memory=self.cuda) for _ in range(buffers)]
         self.host_np = [h.numpy() for h in self.host]
-        self.events = [None] * len(self.host)
-        # Views per layout (names and shapes): decode steps stage the same layout every step, and
-        # cutting a buffer into views costs µs per view. The views alias the one device buffer.
-        self._views: dict[tuple, dict[str, torch.Tensor]] = {}
+        # One event per host buffer, re-recorded after each copy from it (creating one costs µs).
+        self.events = [torch.cuda.Event() for _ in self.host] if self.cuda else []
+        self._recorded = [False] * len(self.host)
+        # Per layout (names and shapes): sizes, the packed slices of each buffer and the device
+        # views. Decode steps stage the same layout every step, and slicing or cutting views costs
+        # µs each. The views alias the one device buffer, so their addresses are the same every
+        # step of a layout: marked fixed, decode graphs read them in place (no per-step copy).
+        self._layouts: dict[tuple, tuple] = {}
         self.dev = torch.empty(capacity, dtype=torch.int32, device=self.device) if self.cuda else None
 
     def stage(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """Device int32 tensors (views of one buffer) with the contents of ``arrays``."""
-        vals = [np.asarray(a) for a in arrays.values()]
-        sizes = [a.size for a in vals]
-        total = sum(sizes)
-        if total > self.capacity:
-            self._alloc(max(total, 2 * self.capacity))   # rare: grows geometrically; old copies have been issued
+        """Device int32 tensors (views of one buffer) with the contents of ``arrays`` (numpy).
+
+        The views of a layout are the same objects at the same addresses every call: their
+        contents are this call's until the next call of any layout."""
+        key = tuple((name, a.shape) for name, a in arrays.items())
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layout(key, arrays)
+        total, packed, copies, views = layout
         slot = self._slot
         self._slot = (slot + 1) % len(self.host)
-        if self.events[slot] is not None and not self.events[slot].query():
+        if self._recorded[slot] and not self.events[slot].query():
             self.events[slot].synchronize()           # the host is two steps ahead of this copy
-        host = self.host[slot]
-        # One numpy call packs, one torch call cuts the views (per-array Python here costs µs each).
-        np.concatenate([a.reshape(-1) for a in vals], out=self.host_np[slot][:total], casting="unsafe")
+        # One numpy call packs every array (per-array Python here costs µs each).
+        np.concatenate([a.reshape(-1) for a in arrays.values()], out=packed[slot], casting="unsafe")
         if self.cuda:
-            self.dev[:total].copy_(host[:total], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-            self.events[slot] = ev
-            base = self.dev
-        else:
-            base = host
+            dst, src = copies[slot]
+            dst.copy_(src, non_blocking=True)
+            self.events[slot].record()
+            self._recorded[slot] = True
         self.copies += 1
-        key = (tuple(arrays), tuple(a.shape for a in vals))
-        out = self._views.get(key)
-        if out is None:
-            if len(self._views) > 64:
-                self._views.clear()           # layouts seen once (prefills, page-table updates)
-            views = base[:total].split(sizes)
-            out = self._views[key] = {name: (v if a.ndim == 1 else v.view(a.shape))
-                                      for name, v, a in zip(arrays, views, vals)}
-        return out
+        return views
+
+    def _layout(self, key, arrays) -> tuple:
+        sizes = [int(np.prod(shape)) for _, shape in key]
+        total = sum(sizes)
+        if total > self.capacity:
+            # Rare: grows geometrically. Copies already issued keep the old buffers alive until
+            # they ran (the caching allocator orders the frees on the stream; pinned blocks are
+            # freed only once their copy's event completed).
+            self._alloc(max(total, 2 * self.capacity))
+        if len(self._layouts) > 64:
+            self._layouts.clear()           # layouts seen once (prefills, page-table updates)
+        base = self.dev if self.cuda else self.host[0]
+        views = {name: (v if len(shape) == 1 else v.view(shape))
+                 for (name, shape), v in zip(key, base[:total].split(sizes))}
+        for v in views.values():
+            mark_fixed(v)
+        packed = [h[:total] for h in self.host_np]
+        copies = [(self.dev[:total], h[:total]) for h in self.host] if self.cuda else None
+        layout = self._layouts[key] = (total, packed, copies, views)
+        return layout

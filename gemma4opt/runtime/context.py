@@ -107,6 +107,7 @@ class StepContext:
         self.token_index: torch.Tensor | None = None
         self.new_lens: torch.Tensor | None = None
         self._real_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._meta_cache: dict[tuple, tuple] = {}
         # A decode graph's token index is 0..bucket-1: made once per bucket, at a fixed address the
         # graphs bake (no per-step copy into the captured inputs).
         self._arange_dev = {b: torch.arange(b, dtype=torch.int32, device=self.device) for b in self.buckets}
@@ -131,6 +132,7 @@ class StepContext:
             seqs.track_updates = True
             seqs.mirror_base, seqs.mirror_stride = i * self.max_batch * ring, ring
             self.tables[kind] = self.table_dev[i, :, :seqs.ring]
+            mark_fixed(self.tables[kind])      # a view at its own address: graphs read it in place
             self.tables[kind].copy_(torch.from_numpy(seqs.table))
         for kind in KINDS:
             if kind not in self.tables:
@@ -169,7 +171,7 @@ class StepContext:
             new = real.sum(1)
             token_index = np.flatnonzero(real.reshape(-1))
         # Kinds whose decode runs the Triton kernel: lengths and slots only, no page lists, no plan.
-        triton = [k for k in self.tables if decode]
+        triton = self.tables if decode else ()
         host = {kind: self.seqs[kind].step(cache.rows, new, decode) for kind in KINDS if kind not in triton}
         lens_slots = {kind: self.seqs[kind].table_step(cache.rows) for kind in triton}
         if pad_to is not None:
@@ -178,40 +180,69 @@ class StepContext:
             host = {kind: self._padded(kind, m, pad_to - batch) for kind, m in host.items()}
             lens_slots = {kind: self._padded_lens(kind, *ls, pad_to - batch) for kind, ls in lens_slots.items()}
             new, token_index = self._all_real(pad_to, 1)
+        self._stage_step(host, lens_slots, new, token_index, pad_to)
+
+    def _stage_step(self, host, lens_slots, new, token_index, pad_to) -> None:
+        """Stage the step's arrays (one copy), bring the device page tables up to date, bind the
+        attention ops' metadata, and plan the kinds FlashInfer runs."""
         graph = pad_to is not None and bool(self.plans)
         fields = FLASHINFER_FIELDS if self.plans else DEVICE_FIELDS
         arrays = {f"{kind}.{f}": getattr(m, f) for kind, m in host.items() for f in fields}
         for kind, (lens, slots) in lens_slots.items():
             arrays["seq_lens"] = lens           # one page size, one token per step: equal for every kind
             arrays[f"{kind}.slot_mapping"] = slots
-        updates = [u for u in (self.seqs[kind].take_updates() for kind in self.tables) if u is not None]
-        if updates:
-            arrays["upd_idx"], arrays["upd_ids"] = (np.concatenate(x) for x in zip(*updates)) if len(updates) > 1 \
-                else updates[0]
-        if graph:
-            token_index = None            # a decode graph's rows are 0..pad_to-1: a cached device arange
-        else:
+        updates = self._take_updates()
+        if updates is not None:
+            arrays["upd_idx"], arrays["upd_ids"] = updates
+        if not graph:                 # a decode graph's rows are 0..pad_to-1: a cached device arange
             arrays["token_index"] = token_index
         if not self.plans:
             arrays["new_lens"] = new
         dev = self.staging.stage(arrays)          # one host->device copy for the whole step
-        if updates:                               # the device tables catch up with the host's writes
+        if updates is not None:                   # the device tables catch up with the host's writes
             self.table_dev.view(-1).index_put_((dev["upd_idx"],), dev["upd_ids"])
-        in_graph = ("slot_mapping",) if graph else fields
-        self.meta = {kind: {f: dev[f"{kind}.{f}"] if f in in_graph else self.unused for f in DEVICE_FIELDS}
-                     for kind in host}
-        for kind in triton:     # the op reads the table as kv_indices and the lengths as seq_lens
-            self.meta[kind] = {f: self.unused for f in DEVICE_FIELDS}
-            self.meta[kind].update(kv_indices=self.tables[kind], seq_lens=dev["seq_lens"],
-                                   slot_mapping=dev[f"{kind}.slot_mapping"])
-        self.token_index = dev["token_index"] if token_index is not None else self._arange_dev[pad_to]
+        self.meta = self._bound_meta(dev, tuple(host), tuple(lens_slots), graph)
+        self.token_index = dev["token_index"] if not graph else self._arange_dev[pad_to]
         self.new_lens = dev.get("new_lens", self.unused)
         for kind, plan in self.plans.items():     # once per step per kind, from host arrays
-            if kind in triton:
+            if kind in lens_slots:
                 plan.use_triton()
             else:
                 m = host[kind]
                 plan.plan(m.qo_indptr, m.kv_indptr, m.kv_last_page_len, dev[f"{kind}.kv_indices"], bucket=pad_to)
+
+    def _take_updates(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Every kind's queued device-table writes, as one (flat index, page id) pair or None."""
+        updates = [u for u in (self.seqs[kind].take_updates() for kind in self.tables) if u is not None]
+        if not updates:
+            return None
+        idx, ids = (np.concatenate(x) for x in zip(*updates)) if len(updates) > 1 else updates[0]
+        # Padded to a power of two by repeating the last write (the same value again: harmless), so
+        # steps with table writes stage a handful of layouts, not a new one (new views) each time.
+        pad = max(64, 1 << (len(idx) - 1).bit_length()) - len(idx)
+        if pad:
+            idx, ids = np.concatenate([idx, idx[-1:].repeat(pad)]), np.concatenate([ids, ids[-1:].repeat(pad)])
+        return idx, ids
+
+    def _bound_meta(self, dev, host_kinds, triton_kinds, graph) -> dict[str, dict[str, torch.Tensor]]:
+        """The attention ops' metadata per kind, built from the staged views. Cached per layout:
+        a layout's views are the same tensors every step (HostStaging), so decode steps rebuild
+        nothing."""
+        key = (id(dev), host_kinds, triton_kinds, graph)
+        got = self._meta_cache.get(key)
+        if got is not None and got[0] is dev:
+            return got[1]
+        in_graph = ("slot_mapping",) if graph else (FLASHINFER_FIELDS if self.plans else DEVICE_FIELDS)
+        meta = {kind: {f: dev[f"{kind}.{f}"] if f in in_graph else self.unused for f in DEVICE_FIELDS}
+                for kind in host_kinds}
+        for kind in triton_kinds:   # the op reads the table as kv_indices and the lengths as seq_lens
+            meta[kind] = {f: self.unused for f in DEVICE_FIELDS}
+            meta[kind].update(kv_indices=self.tables[kind], seq_lens=dev["seq_lens"],
+                              slot_mapping=dev[f"{kind}.slot_mapping"])
+        if len(self._meta_cache) > 64:
+            self._meta_cache.clear()
+        self._meta_cache[key] = (dev, meta)
+        return meta
 
     def _all_real(self, batch: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """(new tokens per row, flat token index) when every token is real; cached, read-only."""

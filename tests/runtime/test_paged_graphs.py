@@ -106,3 +106,34 @@ def test_warmup_captures_every_bucket_then_generate_only_replays(monkeypatch, ca
             assert torch.equal(_gen(model, batch_ids, new=8), want)
     assert (st.graph_captures, st.graph_warmups) == (captures, warmups), "generate captured after warm-up"
     assert st.graphed_calls == replays + 3 * 7
+
+
+@pytest.mark.parametrize("kernel", ["triton", "flashinfer"])
+def test_staged_metadata_is_read_in_place_not_copied_per_replay(monkeypatch, kernel):
+    """The step's staged arrays sit at the same addresses every step of a layout, so the decode
+    graphs bake them like the KV pool: the only per-step copies are HF's own inputs."""
+    model = tiny("tiny")
+    ids = prompt(3, 12)
+    want = _gen(model, ids, new=8)
+    runners = []
+    graphed = decode_graphs.graphed_decode
+
+    def recording(state, root, gm, example_inputs):
+        runner = graphed(state, root, gm, example_inputs)
+        runners.append((runner, list(example_inputs)))
+        return runner
+
+    monkeypatch.setattr(decode_graphs, "graphed_decode", recording)
+    ctx = _optimize_with_stand_ins(monkeypatch, model, dataclasses.replace(PAGED, decode_kernel=kernel))
+    with _cpu_runs_flashinfer_path():
+        assert torch.equal(_gen(model, ids, new=8), want)
+    assert model._gemma4opt.graphed_calls > 0
+    staged = ctx.staging.host[0].untyped_storage().data_ptr()
+    tables = ctx.table_dev.untyped_storage().data_ptr()
+    for runner, inputs in runners:
+        read = {inputs[i].untyped_storage().data_ptr() for i in runner.fixed}
+        assert staged in read, "the graph reads the staged metadata"
+        assert kernel != "triton" or tables in read, "and the Triton kernel's page tables"
+        for i in runner.moving:
+            if inputs[i].numel():
+                assert inputs[i].untyped_storage().data_ptr() not in (staged, tables), runner.gm.graph
