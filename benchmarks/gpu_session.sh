@@ -52,7 +52,7 @@ for s in "$@"; do
     genfinal) stage genfinal 560 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 128 \
             --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;
     kvtest) stage kvtest 90 $PYTEST tests/kernels/test_kv_append_kernel.py ;;
-    gen2048) stage gen2048 560 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 --prompt 2048 \
+    gen2048) stage gen2048 590 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 128 --prompt 2048 \
             --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;
     gene4b) stage gene4b 400 python3 benchmarks/bench_generate.py --preset e4b --batch 1 32 \
             --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;
@@ -83,6 +83,9 @@ for s in "$@"; do
             python3 benchmarks/bench_attention.py --kinds full --variants triton triton-b32-w4-s2 triton-b32-w8-s3 \
             triton-b64-w8-s2 --batch 1 8 32 64 --context 160 1024 4096 --json "$OUT/attention_cfg.jsonl"' ;;
     pagedcore) MAX_JOBS=16 stage pagedcore 480 $PYTEST -s tests/gpu/test_gpu_paged.py -k "sync or bucket or window" ;;
+    bucketsync) MAX_JOBS=4 stage bucketsync 330 $PYTEST -s tests/gpu/test_gpu_paged.py -k "sync or bucket" ;;  # few JIT jobs: a benchmark may share the host
+    gene4b32) stage gene4b32 260 python3 benchmarks/bench_generate.py --preset e4b --batch 32 \
+            --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;
     stepcost) stage stepcost 120 python3 benchmarks/bench_plan.py --device cuda --begin-step ;;
     attntri) MAX_JOBS=16 stage attntri 300 python3 benchmarks/bench_attention.py --variants triton fa2 \
             --batch 1 8 32 64 --context 160 1024 4096 --json "$OUT/attention_triton.jsonl" ;;
