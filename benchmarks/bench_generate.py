@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import sys
@@ -84,6 +85,58 @@ def _line(row, res) -> str:
             f"{row['tokens_equal_eager']}   (roofline {row['roofline_ms']:.2f} ms{kv})")
 
 
+def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> None:
+    kw, sys_model = {}, model
+    if system == "static_compile":
+        from transformers import CompileConfig
+
+        cc = CompileConfig(fullgraph=True, mode="reduce-overhead")
+        cc._compile_all_devices = True      # HF auto-compiles on CUDA only; benchmark CPU runs too
+        kw = dict(cache_implementation="static", compile_config=cc)
+    if system in GEMMA4OPT_SYSTEMS:
+        # optimize() changes the instance: when other systems still follow, optimize a copy.
+        sys_model = model if i == len(args.systems) - 1 else copy.deepcopy(model)
+        opts = dict(GEMMA4OPT_SYSTEMS[system])
+        if opts.get("attention") == "paged":     # a pool for exactly this run's batches and lengths
+            opts.update(max_batch_size=max(args.batch), max_seq_len=args.prompt + args.new + 16)
+        gemma4opt.optimize(sys_model, gemma4opt.Gemma4OptConfig(**opts))
+    for b in args.batch:
+        ttft, ms, out, warm = measure(sys_model, prompts[b], args.new, args.device, args.repeats, **kw)
+        res = results[b]
+        res[system] = dict(ms_per_step=ms, out=out)
+        same = torch.equal(out, res["eager"]["out"]) if "eager" in res else None
+        row = dict(preset=args.preset, layers=cfg.num_hidden_layers, batch=b, prompt=args.prompt, new=args.new,
+                   system=system, warmup_s=warm, ttft_ms=ttft, ms_per_step=ms, tok_s=b * 1e3 / ms, roofline_ms=roof[b],
+                   roofline_frac=roof[b] / ms, tokens_equal_eager=same)
+        ctx = getattr(getattr(sys_model, "_gemma4opt", None), "context", None)
+        if ctx is not None and ctx.last_kv_held[1]:       # paged: KV a sequence held at the end of generate
+            row["kv_mib_per_seq"] = ctx.last_kv_held[0] / ctx.last_kv_held[1] / 2**20
+        print(_line(row, res), flush=True)
+        rows.append(row)
+    if system in GEMMA4OPT_SYSTEMS:
+        gemma4opt.report(sys_model)
+    if sys_model is not model or system == "static_compile":
+        # Free what this system holds before the next one is measured: its copy of the weights,
+        # its KV pool or static cache and its CUDA graphs are reachable from Dynamo's caches until
+        # reset (at batch 128 x prompt 2048 the next system's prefill ran out of memory otherwise).
+        del sys_model
+        torch._dynamo.reset()
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def _compare_with_eager(rows, results) -> None:
+    """Systems measured before eager were not compared when they ran: compare them now."""
+    for b, res in results.items():
+        if "eager" in res:
+            same = {s: torch.equal(r["out"], res["eager"]["out"]) for s, r in res.items() if s != "eager"}
+            print(f"# batch {b}: greedy tokens equal HF eager: {same}")
+            for row in rows:
+                if row["batch"] == b and row["system"] in same:
+                    row["tokens_equal_eager"] = same[row["system"]]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", choices=sorted(ALL_PRESETS))
@@ -113,44 +166,14 @@ def main(argv=None):
             for b in args.batch}
     print(HEADER, flush=True)
     rows, results = [], {b: {} for b in args.batch}
-    for i, system in enumerate(args.systems):
-        kw, sys_model = {}, model
-        if system == "static_compile":
-            from transformers import CompileConfig
-
-            cc = CompileConfig(fullgraph=True, mode="reduce-overhead")
-            cc._compile_all_devices = True      # HF auto-compiles on CUDA only; benchmark CPU runs too
-            kw = dict(cache_implementation="static", compile_config=cc)
-        if system in GEMMA4OPT_SYSTEMS:
-            # optimize() changes the instance: when other systems still follow, optimize a copy.
-            sys_model = model if i == len(args.systems) - 1 else copy.deepcopy(model)
-            opts = dict(GEMMA4OPT_SYSTEMS[system])
-            if opts.get("attention") == "paged":     # a pool for exactly this run's batches and lengths
-                opts.update(max_batch_size=max(args.batch), max_seq_len=args.prompt + args.new + 16)
-            gemma4opt.optimize(sys_model, gemma4opt.Gemma4OptConfig(**opts))
-        for b in args.batch:
-            ttft, ms, out, warm = measure(sys_model, prompts[b], args.new, args.device, args.repeats, **kw)
-            res = results[b]
-            res[system] = dict(ms_per_step=ms, out=out)
-            same = torch.equal(out, res["eager"]["out"]) if "eager" in res else None
-            row = dict(preset=args.preset, layers=cfg.num_hidden_layers, batch=b, prompt=args.prompt, new=args.new,
-                       system=system, warmup_s=warm, ttft_ms=ttft, ms_per_step=ms, tok_s=b * 1e3 / ms, roofline_ms=roof[b],
-                       roofline_frac=roof[b] / ms, tokens_equal_eager=same)
-            ctx = getattr(getattr(sys_model, "_gemma4opt", None), "context", None)
-            if ctx is not None and ctx.last_kv_held[1]:       # paged: KV a sequence held at the end of generate
-                row["kv_mib_per_seq"] = ctx.last_kv_held[0] / ctx.last_kv_held[1] / 2**20
-            print(_line(row, res), flush=True)
-            rows.append(row)
-        if system in GEMMA4OPT_SYSTEMS:
-            gemma4opt.report(sys_model)
-            del sys_model
-    for b, res in results.items():     # systems measured before eager were not compared above
-        if "eager" in res:
-            same = {s: torch.equal(r["out"], res["eager"]["out"]) for s, r in res.items() if s != "eager"}
-            print(f"# batch {b}: greedy tokens equal HF eager: {same}")
-            for row in rows:
-                if row["batch"] == b and row["system"] in same:
-                    row["tokens_equal_eager"] = same[row["system"]]
+    try:
+        for i, system in enumerate(args.systems):
+            _run_system(args, model, i, system, prompts, roof, rows, results, cfg)
+    finally:    # a system that fails (out of memory, say) keeps the rows measured before it
+        _compare_with_eager(rows, results)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
     if len(args.systems) > 1:       # every ratio, now that every system ran
         print("# summary: every system against the others of this run")
         print(HEADER)
@@ -158,9 +181,6 @@ def main(argv=None):
             for row in rows:
                 if row["batch"] == b:
                     print(_line(row, results[b]))
-    if args.json:
-        with open(args.json, "a") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
     return rows
 
 
