@@ -1,6 +1,7 @@
 """Each fused op's Triton kernel vs Inductor's code for the same unfused subgraph, on the GPU.
 
     python benchmarks/bench_kernels.py [--presets 31b e4b] [--m 1 32 256 8192]
+    python benchmarks/bench_kernels.py --linear --presets 31b --m 1 8 32   # decode GEMMs vs cuBLAS
 
 For decode (M = 1, 32, 256 tokens) and prefill (M = 8192) shapes of the presets: time per call
 (replayed in a CUDA graph, as decode runs), achieved GB/s (bytes read + written / time), the fraction of the measured
@@ -24,6 +25,7 @@ from gemma4opt.kernels.moe_router import router_topk_triton  # noqa: E402
 from gemma4opt.kernels.qkv_norm_rope_append import qkv_norm_rope_append_triton  # noqa: E402
 from gemma4opt.kernels.rms_norm import rms_norm_triton  # noqa: E402
 from gemma4opt.kernels.rms_norm_rope import rms_norm_rope_triton  # noqa: E402
+from gemma4opt.kernels.skinny_linear import skinny_linear_triton  # noqa: E402
 from gemma4opt.kernels.softcap import softcap_  # noqa: E402
 from gemma4opt.ops.add_rms_norm import add_rms_norm_reference  # noqa: E402
 from gemma4opt.ops.gelu_tanh_mul import gelu_tanh_mul_reference  # noqa: E402
@@ -63,6 +65,26 @@ def _qkv_case(cfg, kind, M, D, heads, cos, sin, w):
     moved = _nbytes(qkv, q, cos, sin) + 2 * M * kvh * D * 2
     return f"qkv_norm_rope_append[{kind} D={D}]", qkv_norm_rope_append_triton, qkv_norm_rope_append_reference, \
         args, moved
+
+
+def linear_cases(cfg, M):
+    """The decode step's GEMMs (merged q/k/v of each kind, o_proj, merged gate/up, down) with M
+    rows: gemma4opt's skinny Triton GEMM against F.linear (cuBLAS, also what Inductor calls)."""
+    H, I, heads = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+    out = []
+    for kind in ("sliding_attention", "full_attention"):
+        lc = cfg.per_layer_config[cfg.layer_types.index(kind)]
+        k_eq_v = kind == "full_attention" and getattr(cfg, "attention_k_eq_v", False)
+        n_qkv = (heads + lc.num_key_value_heads * (1 if k_eq_v else 2)) * lc.head_dim
+        out.append((f"linear[qkv {kind.split('_')[0]}]", n_qkv, H))
+        out.append((f"linear[o_proj {kind.split('_')[0]}]", H, heads * lc.head_dim))
+    out += [("linear[gate_up]", 2 * I, H), ("linear[down]", H, I)]
+    rows = []
+    for name, n, k in out:
+        x = torch.randn(M, k, device="cuda", dtype=DT)
+        w = torch.randn(n, k, device="cuda", dtype=DT) / k ** 0.5
+        rows.append((name, skinny_linear_triton, torch.nn.functional.linear, (x, w), _nbytes(x, w) + M * n * 2))
+    return rows
 
 
 def cases(cfg, M):
@@ -105,6 +127,8 @@ def main(argv=None):
     ap.add_argument("--presets", nargs="+", default=["31b", "e4b", "26b-a4b"])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 32, 256, 8192])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--linear", action="store_true",
+                    help="the decode GEMMs instead (skinny Triton GEMM vs F.linear / cuBLAS; M <= 32)")
     args = ap.parse_args(argv)
     bw = copy_bandwidth("cuda")
     print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s  dtype {DT}")
@@ -115,7 +139,9 @@ def main(argv=None):
     for preset in args.presets:
         cfg = preset_config(preset)
         for M in args.m:
-            for name, fn, ref, fargs, nbytes in cases(cfg, M):
+            if args.linear and M > 32:
+                continue
+            for name, fn, ref, fargs, nbytes in (linear_cases if args.linear else cases)(cfg, M):
                 compiled = torch.compile(ref, dynamic=False)
                 fn(*fargs), compiled(*fargs)           # compile / JIT outside the timed graphs
                 torch.cuda.synchronize()

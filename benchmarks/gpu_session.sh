@@ -84,6 +84,8 @@ for s in "$@"; do
             triton-b64-w8-s2 --batch 1 8 32 64 --context 160 1024 4096 --json "$OUT/attention_cfg.jsonl"' ;;
     pagedcore) MAX_JOBS=16 stage pagedcore 480 $PYTEST -s tests/gpu/test_gpu_paged.py -k "sync or bucket or window" ;;
     bucketsync) MAX_JOBS=4 stage bucketsync 330 $PYTEST -s tests/gpu/test_gpu_paged.py -k "sync or bucket" ;;  # few JIT jobs: a benchmark may share the host
+    linear) stage linear 300 python3 benchmarks/bench_kernels.py --linear --presets 31b e4b --m 1 8 32 \
+            --json "$OUT/linear.json" ;;   # skinny Triton GEMM (autotuned) vs cuBLAS
     windowtest) MAX_JOBS=16 stage windowtest 280 $PYTEST -s tests/gpu/test_gpu_paged.py -k "window" ;;
     bucketonly) MAX_JOBS=16 stage bucketonly 450 $PYTEST -s tests/gpu/test_gpu_paged.py -k "bucket" ;;
     gen2048b128) stage gen2048b128 540 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 128 --prompt 2048 \

@@ -1,0 +1,46 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gemma4opt.kernels.skinny_linear import MAX_ROWS, skinny_linear_triton
+from tests.kernels.conftest import DEVICE, DTYPES, close
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,k", [(1, 5, 37), (1, 33, 100), (3, 17, 64), (16, 20, 45), (17, 33, 70),
+                                      (MAX_ROWS, 7, 33)])
+def test_matches_f_linear(dtype, rows, n, k):
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, k, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).to(DEVICE)
+    close(skinny_linear_triton(x, w), F.linear(x.float(), w.float()).to(dtype), dtype)
+
+
+def test_keeps_leading_dims_and_reads_strided_rows():
+    # A decode step's [batch, 1, hidden] input, taken as a column slice of a wider buffer.
+    buf = torch.randn(4, 1, 90, device=DEVICE)
+    x = buf[..., 10:60]
+    w = torch.randn(12, 50, device=DEVICE)
+    got = skinny_linear_triton(x, w)
+    assert got.shape == (4, 1, 12)
+    close(got, F.linear(x, w), torch.float32)
+
+
+def test_merged_weight_slice_rows():
+    """The merged q/k/v weight's row block (a view with the full weight's row stride)."""
+    merged = torch.randn(30, 40, device=DEVICE)
+    x = torch.randn(2, 40, device=DEVICE)
+    close(skinny_linear_triton(x, merged[8:20]), F.linear(x, merged[8:20]), torch.float32)
+
+
+def test_refuses_too_many_rows_and_mismatched_weight():
+    with pytest.raises(ValueError, match="at most 32"):
+        skinny_linear_triton(torch.randn(MAX_ROWS + 1, 8, device=DEVICE), torch.randn(4, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="does not match"):
+        skinny_linear_triton(torch.randn(2, 8, device=DEVICE), torch.randn(4, 9, device=DEVICE))
+    with pytest.raises(ValueError, match="unit stride"):
+        skinny_linear_triton(torch.randn(2, 8, device=DEVICE), torch.randn(8, 4, device=DEVICE).t())
+
+
+def test_empty_inputs():
+    assert skinny_linear_triton(torch.randn(0, 8, device=DEVICE), torch.randn(4, 8, device=DEVICE)).shape == (0, 4)
