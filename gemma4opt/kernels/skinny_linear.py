@@ -77,20 +77,23 @@ def _skinny_kernel(X, W, Y, M, N, K, sxm, swn, sym,
                  mask=mmask[:, None] & nmask[None, :])
 
 
+# (BLOCK_N, BLOCK_K, warps): for one row, few W rows per program (many programs, even work per
+# SM) and long K runs; for tl.dot, 16+ W rows and shorter K tiles. Each compiles per (N, K, row
+# class): kept short so a warm-up tunes in seconds.
+_ROW_SUM = [(bn, bk, w) for bn in (4, 8, 16) for bk in (512, 1024) for w in (4, 8)]
+_DOT = [(bn, bk, 4) for bn in (16, 32, 64) for bk in (128, 256)]
+
+
 def _configs():
-    out = []
-    for bn in (4, 8, 16, 32, 64):
-        for bk in (256, 512, 1024):
-            for warps in (4, 8):
-                out.append(triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=3))
-    return out
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=3)
+            for bn, bk, w in dict.fromkeys(_ROW_SUM + _DOT)]
 
 
 def _keep(configs, named_args, **kwargs):
-    """tl.dot needs 16 columns of W per tile; the row-sum path takes any BLOCK_N."""
+    """The row-sum path's configs for one row, tl.dot's for more."""
     bm = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
-    keep = [c for c in configs if bm == 1 or c.kwargs["BLOCK_N"] >= 16]
-    return keep or configs
+    want = set(_ROW_SUM if bm == 1 else _DOT)
+    return [c for c in configs if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps) in want] or configs
 
 
 _tuned = triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M"],
