@@ -107,7 +107,6 @@ class StepContext:
         self.token_index: torch.Tensor | None = None
         self.new_lens: torch.Tensor | None = None
         self._real_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-        self._meta_cache: dict[tuple, tuple] = {}
         # A decode graph's token index is 0..bucket-1: made once per bucket, at a fixed address the
         # graphs bake (no per-step copy into the captured inputs).
         self._arange_dev = {b: torch.arange(b, dtype=torch.int32, device=self.device) for b in self.buckets}
@@ -120,6 +119,7 @@ class StepContext:
         address (decode graphs bake it), kept current by the table writes each step queues."""
         self.plans = plans
         self.plan_key = {k: (plans[k].key if k in plans else -1) for k in KINDS}
+        self._meta_cache: dict[tuple, tuple] = {}   # bound metadata named the old tables and fields
         kinds = [k for k, p in plans.items() if p.triton_decode]
         # One tensor for every kind's table (one scatter a step brings them up to date); each kind
         # reads its [max_batch, ring] slice.
