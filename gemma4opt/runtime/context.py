@@ -187,10 +187,17 @@ class StepContext:
         attention ops' metadata, and plan the kinds FlashInfer runs."""
         graph = pad_to is not None and bool(self.plans)
         fields = FLASHINFER_FIELDS if self.plans else DEVICE_FIELDS
-        arrays = {f"{kind}.{f}": getattr(m, f) for kind, m in host.items() for f in fields}
+        # What a decode graph reads comes first: one entry per row, so every step of a bucket cuts
+        # them at the same offsets and the graph reads them in place. Page lists, whose length
+        # changes as pages come and go, and the table writes follow.
+        arrays = {}
         for kind, (lens, slots) in lens_slots.items():
             arrays["seq_lens"] = lens           # one page size, one token per step: equal for every kind
             arrays[f"{kind}.slot_mapping"] = slots
+        for kind, m in host.items():
+            arrays[f"{kind}.slot_mapping"] = m.slot_mapping
+        arrays.update((f"{kind}.{f}", getattr(m, f)) for kind, m in host.items() for f in fields
+                      if f != "slot_mapping")
         updates = self._take_updates()
         if updates is not None:
             arrays["upd_idx"], arrays["upd_ids"] = updates
