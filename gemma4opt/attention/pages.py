@@ -198,12 +198,7 @@ class PagedSequences:
             return None
         self._check_ring(np.maximum(want, count) - self.first[rows])
         ids = self.pool.alloc(n)
-        if grow.max() == 1:          # decode: one page for some rows (no repeats needed)
-            sel = grow > 0
-            self._set_pages(rows[sel], count[sel] % self.ring, ids)
-        else:
-            seq_of = np.repeat(np.arange(len(rows)), grow)
-            self._set_pages(rows[seq_of], (np.repeat(count, grow) + ranks(grow)) % self.ring, ids)
+        self._set_pages(*self._ring_slots(rows, count, grow), ids)
         self.count[rows] = np.maximum(count, want)
         return grow, ids
 
@@ -323,14 +318,17 @@ class PagedSequences:
         return StepMeta(kv_indptr, kv_indices, ((new_len - 1) % ps + 1).astype(np.int32), kv_start, qo_indptr,
                         slots, new_len)
 
-    def _release(self, rows, start, n) -> None:
-        if n.max(initial=0) == 1:                   # decode: one page from some rows
+    def _ring_slots(self, rows, start, n) -> tuple[np.ndarray, np.ndarray]:
+        """(table rows, ring columns) of ``n[i]`` consecutive logical pages of ``rows[i]`` from
+        ``start[i]``, in row order."""
+        if n.max(initial=0) == 1:       # decode: at most one page a row, no repeats needed
             sel = n > 0
-            self.pool.free(self.table[rows[sel], start[sel] % self.ring])
-            return
+            return rows[sel], start[sel] % self.ring
         seq_of = np.repeat(np.arange(len(rows)), n)
-        logical = np.repeat(start, n) + ranks(n)
-        self.pool.free(self.table[rows[seq_of], logical % self.ring])
+        return rows[seq_of], (np.repeat(start, n) + ranks(n)) % self.ring
+
+    def _release(self, rows, start, n) -> None:
+        self.pool.free(self.table[self._ring_slots(rows, start, n)])
 
     def release(self, rows) -> None:
         """Return every page of these sequences to the pool (generate finished or raised)."""

@@ -28,9 +28,9 @@ class HostStaging:
         buffers = 2 if self.cuda else 1
         self.host = [torch.empty(capacity, dtype=torch.int32, pin_memory=self.cuda) for _ in range(buffers)]
         self.host_np = [h.numpy() for h in self.host]
-        # One event per host buffer, re-recorded after each copy from it (creating one costs µs).
+        # One event per host buffer, re-recorded after each copy from it (creating one costs µs);
+        # an event not recorded yet counts as complete.
         self.events = [torch.cuda.Event() for _ in self.host] if self.cuda else []
-        self._recorded = [False] * len(self.host)
         # Per layout (names and shapes): sizes, the packed slices of each buffer and the device
         # views. Decode steps stage the same layout every step, and slicing or cutting views costs
         # µs each. The views alias the one device buffer, so their addresses are the same every
@@ -50,7 +50,7 @@ class HostStaging:
         total, packed, copies, views = layout
         slot = self._slot
         self._slot = (slot + 1) % len(self.host)
-        if self._recorded[slot] and not self.events[slot].query():
+        if self.cuda and not self.events[slot].query():
             self.events[slot].synchronize()           # the host is two steps ahead of this copy
         # One numpy call packs every array (per-array Python here costs µs each).
         np.concatenate([a.reshape(-1) for a in arrays.values()], out=packed[slot], casting="unsafe")
@@ -58,7 +58,6 @@ class HostStaging:
             dst, src = copies[slot]
             dst.copy_(src, non_blocking=True)
             self.events[slot].record()
-            self._recorded[slot] = True
         self.copies += 1
         return views
 
