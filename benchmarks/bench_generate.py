@@ -15,6 +15,7 @@ import copy
 import gc
 import json
 import os
+import signal
 import sys
 import time
 
@@ -22,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gemma4opt  # noqa: E402
+from gemma4opt.patterns import PATTERN_NAMES  # noqa: E402
 from gemma4opt.presets import ALL_PRESETS, build_model  # noqa: E402
 from roofline import copy_bandwidth, kv_bytes_per_step, weight_bytes_per_step  # noqa: E402
 
@@ -67,7 +69,10 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-inductor": dict(inductor=True),
                      "gemma4opt-captured": dict(inductor=False), "gemma4opt-paged": dict(attention="paged"),
                      # The paged cache with FlashInfer's planned decode instead of the Triton kernel.
                      "gemma4opt-paged-fi": dict(attention="paged", decode_kernel="flashinfer"),
-                     "gemma4opt-paged-auto": dict(attention="paged", decode_kernel="auto")}
+                     "gemma4opt-paged-auto": dict(attention="paged", decode_kernel="auto"),
+                     # Every decode GEMM on cuBLAS (no decode_linear): the skinny Triton GEMM's share.
+                     "gemma4opt-paged-cublas": dict(attention="paged", patterns=tuple(
+                         p for p in PATTERN_NAMES if p != "decode_linear"))}
 
 
 HEADER = (f"{'batch':>5} {'system':>18} {'warm-up s':>9} {'TTFT ms':>9} {'ms/step':>9} {'tok/s':>9} "
@@ -86,6 +91,9 @@ def _line(row, res) -> str:
 
 
 def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> None:
+    gc.collect()
+    if args.device.startswith("cuda"):      # what the previous system left cached goes back to CUDA
+        torch.cuda.empty_cache()
     kw, sys_model = {}, model
     if system == "static_compile":
         from transformers import CompileConfig
@@ -151,6 +159,9 @@ def main(argv=None):
                     choices=["eager", "static_compile", *GEMMA4OPT_SYSTEMS])
     ap.add_argument("--json", default=None, help="append result rows to this JSON-lines file")
     args = ap.parse_args(argv)
+    # A stage's `timeout` sends SIGTERM: exit through the finally below, so the rows measured so far
+    # still reach --json.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")]
 
     model = build_model(args.preset, args.layers, dtype=dtype, device=args.device)

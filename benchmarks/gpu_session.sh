@@ -44,7 +44,7 @@ for s in "$@"; do
     profile) stage profile 150 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 ;;
     profile32) stage profile32 150 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --batch 32 ;;
     profpaged1) stage profpaged1 240 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --attention paged ;;
-    profpaged32) stage profpaged32 150 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --batch 32 --attention paged ;;
+    profpaged32) stage profpaged32 200 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --batch 32 --attention paged ;;
     attn) MAX_JOBS=16 stage attn 420 python3 benchmarks/bench_attention.py --json "$OUT/attention.jsonl" ;;
     genpaged) stage genpaged 420 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 32 \
             --systems gemma4opt-paged gemma4opt static_compile eager --json "$OUT/gen.jsonl" ;;
@@ -60,7 +60,7 @@ for s in "$@"; do
             --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;
     gen26b) stage gen26b 400 python3 benchmarks/bench_generate.py --preset 26b-a4b --batch 1 \
             --systems eager static_compile gemma4opt-paged --json "$OUT/gen.jsonl" ;;
-    gen31bfull) stage gen31bfull 560 python3 benchmarks/bench_generate.py --preset 31b --batch 1 \
+    gen31bfull) stage gen31bfull 590 python3 benchmarks/bench_generate.py --preset 31b --batch 1 \
             --systems eager static_compile gemma4opt-paged --json "$OUT/gen.jsonl" ;;   # 62 GB: no copies
     plangraph) stage plangraph 200 python3 benchmarks/bench_plan.py --device cuda --graph ;;   # fast replan
     plangraphfull) stage plangraphfull 200 python3 benchmarks/bench_plan.py --device cuda --graph --full-plan ;;
@@ -88,8 +88,15 @@ for s in "$@"; do
             --json "$OUT/linear.json" ;;   # skinny Triton GEMM (autotuned) vs cuBLAS
     windowtest) MAX_JOBS=16 stage windowtest 280 $PYTEST -s tests/gpu/test_gpu_paged.py -k "window" ;;
     bucketonly) MAX_JOBS=16 stage bucketonly 450 $PYTEST -s tests/gpu/test_gpu_paged.py -k "bucket" ;;
-    gen2048b128) stage gen2048b128 540 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 128 --prompt 2048 \
-            --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;
+    # HF static + compile first, on an empty GPU, with expandable segments: after gemma4opt it ran out of
+    # memory in its eager prefill (16 GiB SDPA buffer; 22.7 GiB reserved but fragmented, 40.7 GiB in
+    # its cudagraph pools). gemma4opt runs last, on the model itself (no copy).
+    gen2048b128) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True stage gen2048b128 540 python3 \
+            benchmarks/bench_generate.py --preset 31b --layers 12 --batch 128 --prompt 2048 \
+            --systems static_compile eager gemma4opt-paged --json "$OUT/gen.jsonl" ;;
+    genab) stage genab 420 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 \
+            --systems gemma4opt-paged gemma4opt-paged-cublas eager --json "$OUT/gen.jsonl" ;;  # decode_linear on/off
+    lintest) stage lintest 150 $PYTEST tests/kernels/test_skinny_linear_kernel.py tests/gpu/test_gpu_linear.py ;;
     gene4b32) stage gene4b32 260 python3 benchmarks/bench_generate.py --preset e4b --batch 32 \
             --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;
     stepcost) stage stepcost 120 python3 benchmarks/bench_plan.py --device cuda --begin-step ;;

@@ -35,6 +35,7 @@ class Report:
     graph_warmups: int = 0      # steps that preceded them (a new graph or a new cache)
     stop_check: str = "per step (HF)"
     graph_key_changes: dict[str, int] = field(default_factory=dict)
+    decode_gemms: str = ""      # gemma4opt.linear's picks so far (this process)
 
     def row(self, pattern: str) -> PatternRow:
         return next(r for r in self.rows if r.pattern == pattern)
@@ -51,6 +52,8 @@ class Report:
                 f"{k}: {v}" for k, v in sorted(self.graph_key_changes.items(), key=lambda kv: -kv[1])))
         lines.append(f"  attention: {self.attention}")
         lines.append(f"  generate stop check: {self.stop_check}")
+        if self.decode_gemms:
+            lines.append(f"  decode GEMMs (gemma4opt.linear): {self.decode_gemms}")
         if self.fallbacks:
             lines.append("  fallbacks (calls): " + ", ".join(f"{k}: {v}" for k, v in self.fallbacks.items()))
         if self.rows:
@@ -99,7 +102,19 @@ def build_report(model) -> Report:
             attention += "; decode-graph plans: " + ", ".join(f"{k.split('_')[0]}: {v}" for k, v in replans.items())
     return Report(state.model_class, state.scope, state.disabled_reason, state.graphs_compiled,
                   state.compiled_calls, state.graphed_calls, dict(state.fallbacks), rows, attention,
-                  state.graph_captures, state.graph_warmups, state.stop_check, dict(state.graph_key_changes))
+                  state.graph_captures, state.graph_warmups, state.stop_check, dict(state.graph_key_changes),
+                  _decode_gemms() if "decode_linear" in state.stats else "")
+
+
+def _decode_gemms() -> str:
+    from gemma4opt.ops.linear import picks
+
+    got = picks()
+    if not got:
+        return "no shape of <= 32 rows timed yet (cuBLAS until one is)"
+    rows = sorted({k[0] for k in got})
+    return (f"the skinny Triton GEMM on {sum(got.values())} of {len(got)} shapes timed (rows {rows}), "
+            f"cuBLAS on the rest")
 
 
 def report(model, print_table: bool = True) -> Report:

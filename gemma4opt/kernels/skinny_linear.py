@@ -1,7 +1,7 @@
 """Triton y = x @ W^T for a few rows (decode: M <= 32), W [N, K] row-major as nn.Linear keeps it.
 
-A candidate, not yet used by any pass: measured against cuBLAS first
-(``benchmarks/bench_kernels.py --linear``). Why it may win: at batch 1 the 31b decode step's layer
+``gemma4opt.linear`` (ops/linear.py) runs it on the decode shapes where it timed faster than cuBLAS
+(``benchmarks/bench_kernels.py --linear`` compares them). Why it can win: at batch 1 the 31b decode step's layer
 GEMMs stream their weights at ~3.83 TB/s through cuBLASLt (24 of them per step split K and add a
 reduce kernel), while the lm_head, one plain stream, reaches 4.34 (README, batch-1 profile).
 Here each program owns BLOCK_N rows of W and walks all of K: W is read once, in long contiguous
@@ -18,6 +18,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 from gemma4opt.kernels._util import rows_view
 
@@ -96,7 +97,12 @@ def _keep(configs, named_args, **kwargs):
     return [c for c in configs if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps) in want] or configs
 
 
-_tuned = triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M"],
+def _bench(fn, quantiles=None):
+    # Short runs: a warm-up tunes every decode GEMM shape (Triton's default spends ~0.13 s a config).
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+_tuned = triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M"], do_bench=_bench,
                          prune_configs_by={"early_config_prune": _keep})(_skinny_kernel)
 
 

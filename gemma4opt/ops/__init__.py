@@ -2,6 +2,7 @@
 from gemma4opt.ops import (  # noqa: F401
     add_rms_norm,
     gelu_tanh_mul,
+    linear,
     linear_softcap,
     moe_router,
     paged_attention,

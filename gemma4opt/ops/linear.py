@@ -1,0 +1,72 @@
+"""gemma4opt::linear — a decoder layer's bias-free projection, ``linear(x, weight)``.
+
+On CUDA with at most ``MAX_ROWS`` rows (decode steps), each shape (rows, N, K, dtype) runs
+whichever of gemma4opt's skinny Triton GEMM (kernels/skinny_linear.py) and cuBLAS (F.linear) was
+faster when both were timed, cold in L2 as in a decode step, on that shape's first call. Decode
+graphs make that call eagerly before they capture, so a replay never times anything; a shape first
+seen inside a capture takes cuBLAS. Why a pick per shape and not a rule: on an H200
+(``bench_kernels.py --linear``) the Triton GEMM was 1.04-1.11x cuBLAS on the 31b's o_proj and
+full-layer q/k/v at one row and 1.1-1.5x on every e4b GEMM at one row, while cuBLAS was up to 1.6x
+faster at 8-32 rows. Ties go to cuBLAS, whose sums are the ones HF's own GEMM makes.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 32
+MARGIN = 0.98          # Triton must be at least 2 % faster to be picked
+_PICKS: dict[tuple, bool] = {}      # (rows, N, K, dtype, device index) -> the Triton GEMM
+
+
+@torch.library.custom_op("gemma4opt::linear", mutates_args=())
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+@linear.register_fake
+def _(x, weight):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def pick_triton(key: tuple, time_both: Callable[[], tuple[float, float]]) -> bool:
+    """Whether shape ``key`` runs the Triton GEMM: ``time_both()`` -> (Triton ms, cuBLAS ms) is
+    called once per key, never while a CUDA graph is being captured (cuBLAS then, not remembered)."""
+    got = _PICKS.get(key)
+    if got is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return False
+        t_triton, t_cublas = time_both()
+        got = _PICKS[key] = t_triton < MARGIN * t_cublas
+    return got
+
+
+def picks() -> dict[tuple, bool]:
+    """The shapes timed so far (rows, N, K, dtype, device) and whether each runs the Triton GEMM."""
+    return dict(_PICKS)
+
+
+def _time_both(x, weight) -> tuple[float, float]:
+    import triton.testing
+
+    from gemma4opt.kernels.skinny_linear import skinny_linear_triton
+
+    # do_bench flushes L2 before each call: decode streams each weight from HBM once per step.
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+
+    return bench(lambda: skinny_linear_triton(x, weight)), bench(lambda: F.linear(x, weight))
+
+
+@linear.register_kernel("cuda")
+def _(x, weight):
+    rows = x.numel() // max(x.shape[-1], 1)
+    if 0 < rows <= MAX_ROWS and weight.stride(-1) == 1:
+        key = (rows, weight.shape[0], weight.shape[1], x.dtype, x.device.index)
+        if pick_triton(key, lambda: _time_both(x, weight)):
+            from gemma4opt.kernels.skinny_linear import skinny_linear_triton
+
+            return skinny_linear_triton(x, weight)
+    return F.linear(x, weight)

@@ -1,0 +1,24 @@
+"""On the GPU machine: gemma4opt.linear at decode shapes of the real models equals F.linear to
+bf16 rounding, whichever GEMM each shape picked, and more than 32 rows never reach the pick."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gemma4opt.ops import linear as linear_op
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 32, 40])
+@pytest.mark.parametrize("n,k", [(5376, 8192), (2560, 2048), (16384, 5376)])
+def test_linear_op_equals_f_linear(rows, n, k):
+    torch.manual_seed(rows + n)
+    x = torch.randn(rows, 1, k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
+    got = torch.ops.gemma4opt.linear(x, w)
+    want = F.linear(x.float(), w.float())
+    assert got.shape == (rows, 1, n) and got.dtype == torch.bfloat16
+    # bf16 output rounding (2^-8 relative) on values of size ~1, plus fp32 sum-order differences
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-2)
+    key = (rows, n, k, torch.bfloat16, x.device.index)
+    assert (key in linear_op.picks()) == (rows <= linear_op.MAX_ROWS)

@@ -1,0 +1,59 @@
+"""decode_linear: every attention / MLP linear becomes gemma4opt.linear; the per-shape pick of GEMM."""
+import pytest
+import torch
+
+from gemma4opt.compiler.regions import module_stack, op_name
+from gemma4opt.ops import linear as linear_op
+from tests.models import VARIANTS, prompt, tiny
+from tests.patterns.helpers import Compiled
+
+
+def _in_block(node):
+    return any(t in ("Gemma4TextAttention", "Gemma4TextMLP") for _, t in module_stack(node))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_block_linear_replaced_after_merging(variant):
+    model = tiny(variant)
+    ids = prompt(2, 9)
+    with torch.no_grad():
+        want = model(ids).logits
+    c = Compiled(model, ["merged_projections", "decode_linear"], text_config=model.config)
+    got = c(ids).logits
+    cfg = model.config
+    assert c.matched("decode_linear") == 2 * cfg.num_hidden_layers, c.unfused("decode_linear")
+    nodes = list(c.graphs[-1].graph.nodes)
+    assert not [n for n in nodes if op_name(n) == "linear" and _in_block(n)]
+    # merged q/k/v (or q alone on KV-shared layers) + o_proj + merged gate/up + down per layer
+    assert c.gemma4opt_ops()["linear"] == 4 * cfg.num_hidden_layers
+    torch.testing.assert_close(got, want, rtol=0, atol=0)     # the CPU path is F.linear itself
+
+
+def test_biased_projection_stays_unfused_and_is_listed():
+    model = tiny("tiny")
+    mlp = model.model.layers[0].mlp
+    mlp.down_proj.bias = torch.nn.Parameter(torch.zeros(mlp.down_proj.out_features))
+    c = Compiled(model, ["decode_linear"], text_config=model.config)
+    c(prompt(1, 5))
+    assert c.matched("decode_linear") == 2 * model.config.num_hidden_layers - 1
+    assert any("layers.0.mlp" in u and "bias" in u for u in c.unfused("decode_linear"))
+
+
+def test_pick_is_timed_once_per_shape_and_never_while_capturing(monkeypatch):
+    monkeypatch.setattr(linear_op, "_PICKS", {})
+    calls = []
+
+    def timer(t_triton, t_cublas):
+        def run():
+            calls.append((t_triton, t_cublas))
+            return t_triton, t_cublas
+        return run
+
+    assert linear_op.pick_triton(("a",), timer(1.0, 2.0)) is True
+    assert linear_op.pick_triton(("a",), timer(9.0, 1.0)) is True      # remembered, not re-timed
+    assert linear_op.pick_triton(("b",), timer(0.99, 1.0)) is False    # within the margin: cuBLAS
+    assert len(calls) == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert linear_op.pick_triton(("c",), timer(0.1, 1.0)) is False     # cannot time inside a capture
+    assert len(calls) == 2 and ("c",) not in linear_op.picks()
