@@ -94,6 +94,8 @@ for s in "$@"; do
     gen2048b128) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True stage gen2048b128 540 python3 \
             benchmarks/bench_generate.py --preset 31b --layers 12 --batch 128 --prompt 2048 \
             --systems static_compile eager gemma4opt-paged --json "$OUT/gen.jsonl" ;;
+    genfinalab) stage genfinalab 440 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 128 \
+            --systems gemma4opt-paged static_compile eager gemma4opt-paged-cublas --json "$OUT/gen.jsonl" ;;  # + decode_linear off
     genab) stage genab 420 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 \
             --systems gemma4opt-paged gemma4opt-paged-cublas eager --json "$OUT/gen.jsonl" ;;  # decode_linear on/off
     lintest) stage lintest 150 $PYTEST tests/kernels/test_skinny_linear_kernel.py tests/gpu/test_gpu_linear.py ;;
