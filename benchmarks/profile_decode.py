@@ -1,6 +1,10 @@
 """Where a gemma4opt decode step spends its time: torch.profiler over one generate, top kernels.
 
     python benchmarks/profile_decode.py --preset 31b --layers 12 --inductor 0
+
+The per-category table is per decode step: a second profile of a one-token generate (the prefill
+and HF's set-up) is subtracted kernel by kernel, so at batch 32 the prompt's 4096-token GEMMs do not
+land in the decode step's figures.
 """
 from __future__ import annotations
 
@@ -14,36 +18,56 @@ from gemma4opt.presets import ALL_PRESETS, build_model
 
 
 # Kernel name fragments per category: what a decode step's device time goes to.
-CATEGORIES = [("gemm", ("nvjet", "gemm", "splitKreduce", "cutlass_80_tensorop", "sm90_xmma")),
-              ("attention", ("sdpa", "fmha", "flash", "BatchDecode", "BatchPrefill", "Attention")),
+CATEGORIES = [("gemm", ("nvjet", "gemm", "splitKreduce", "cutlass_80_tensorop", "sm90_xmma", "_skinny_kernel")),
+              ("attention", ("sdpa", "fmha", "flash", "BatchDecode", "BatchPrefill", "Attention",
+                             "_decode_split_kernel", "_merge_kernel")),
               ("gemma4opt triton", ("_rms_norm", "_add_rms_norm", "_gelu_tanh_mul", "_softcap", "_moe_router",
                                        "_qkv_norm_rope_append", "_kv_append")),
               ("copies/index", ("copy", "index", "Fill", "cat")),
               ("other", ("",))]
 
 
-def print_categories(avgs, steps, top=8):
-    """Device self time per category and kernel launches, per generated token; then, outside the
-    GEMMs, each category's biggest kernels (what a fusion or a launch saved would go after)."""
-    totals = {name: [0.0, 0] for name, _ in CATEGORIES}
-    kernels = {name: [] for name, _ in CATEGORIES}
+def device_kernels(avgs) -> dict[str, list]:
+    """{kernel name: [device self time us, launches]}, kernels only (host ops and compiled regions
+    would count their kernels twice)."""
+    out = {}
     for e in avgs:
         dev = getattr(e, "self_device_time_total", 0)
         if dev <= 0 or e.cpu_time_total > 0 or e.key.startswith("Torch-Compiled"):
-            continue            # host ops and regions: their kernels are listed on their own
-        name = next(n for n, frags in CATEGORIES if any(f in e.key for f in frags))
+            continue
+        got = out.setdefault(e.key, [0.0, 0])
+        got[0] += dev
+        got[1] += e.count
+    return out
+
+
+def subtract(full: dict, part: dict) -> dict:
+    """``full`` minus ``part`` per kernel, dropping what is left with no launch."""
+    out = {}
+    for key, (dev, n) in full.items():
+        pd, pn = part.get(key, (0.0, 0))
+        if n - pn > 0:
+            out[key] = [max(dev - pd, 0.0), n - pn]
+    return out
+
+
+def print_categories(kernels: dict, steps: int, what: str, top=8):
+    """Device time per category and kernel launches per ``what``; then, outside the GEMMs, each
+    category's biggest kernels (what a fusion or a launch saved would go after)."""
+    totals = {name: [0.0, 0] for name, _ in CATEGORIES}
+    rows = {name: [] for name, _ in CATEGORIES}
+    for key, (dev, n) in kernels.items():
+        name = next(c for c, frags in CATEGORIES if any(f in key for f in frags))
         totals[name][0] += dev
-        totals[name][1] += e.count
-        kernels[name].append((dev, e.count, e.key))
-    print("device time per token by kernel category (us; launches):")
+        totals[name][1] += n
+        rows[name].append((dev, n, key))
+    print(f"device time per {what} by kernel category (us; launches):")
     for name, (dev, n) in totals.items():
         print(f"  {name:>18} {dev / steps:9.1f} us  {n / steps:7.1f} launches")
-    for name, rows in kernels.items():
-        if name == "gemm":
-            continue
-        print(f"  {name}: top kernels (us per token, launches per token, us per launch)")
-        for dev, n, key in sorted(rows, reverse=True)[:top]:
-            print(f"    {dev / steps:8.1f} {n / steps:6.1f} {dev / n:7.2f}  {key[:90]}")
+    for name, found in rows.items():
+        print(f"  {name}: top kernels (us per {what}, launches per {what}, us per launch)")
+        for dev, n, key in sorted(found, reverse=True)[:top]:
+            print(f"    {dev / steps:8.1f} {n / steps:6.1f} {dev / max(n, 1):7.2f}  {key[:90]}")
 
 
 def main(argv=None):
@@ -65,10 +89,10 @@ def main(argv=None):
     gemma4opt.optimize(model, cfg)
     ids = torch.randint(3, 1000, (args.batch, args.prompt), device="cuda")
 
-    def gen():
+    def gen(new=args.new):
         with torch.no_grad():
-            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
-                                  min_new_tokens=args.new, do_sample=False)
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                  min_new_tokens=new, do_sample=False)
 
     t = time.perf_counter()
     gen()
@@ -92,7 +116,12 @@ def main(argv=None):
     dev_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in avgs)
     print(f"one generate: wall {wall_ms:.1f} ms = {wall_ms / args.new:.2f} ms per token (incl. prefill); "
           f"device busy {dev_us / 1e3:.1f} ms = {dev_us / 1e3 / args.new:.2f} ms per token under the profiler")
-    print_categories(avgs, args.new)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prefill:
+        gen(1)
+        torch.cuda.synchronize()
+    steps = max(args.new - 1, 1)
+    print_categories(subtract(device_kernels(avgs), device_kernels(prefill.key_averages())), steps,
+                     "decode step")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=70))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
 

@@ -107,14 +107,18 @@ def build_report(model) -> Report:
 
 
 def _decode_gemms() -> str:
-    from gemma4opt.ops.linear import picks
+    from gemma4opt.ops.linear import failures, picks
 
     got = picks()
     if not got:
         return "no shape of <= 32 rows timed yet (cuBLAS until one is)"
     rows = sorted({k[0] for k in got})
-    return (f"the skinny Triton GEMM on {sum(got.values())} of {len(got)} shapes timed (rows {rows}), "
+    text = (f"the skinny Triton GEMM on {sum(got.values())} of {len(got)} shapes timed (rows {rows}), "
             f"cuBLAS on the rest")
+    failed = failures()
+    if failed:
+        text += f"; the Triton GEMM failed on {len(failed)} shapes (cuBLAS there): {next(iter(failed.values()))}"
+    return text
 
 
 def report(model, print_table: bool = True) -> Report:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 MAX_ROWS = 32
 MARGIN = 0.98          # Triton must be at least 2 % faster to be picked
 _PICKS: dict[tuple, bool] = {}      # (rows, N, K, dtype, device index) -> the Triton GEMM
+_FAILED: dict[tuple, str] = {}      # shapes whose Triton GEMM raised when timed: cuBLAS, and why
 
 
 @torch.library.custom_op("gemma4opt::linear", mutates_args=())
@@ -33,12 +34,18 @@ def _(x, weight):
 
 def pick_triton(key: tuple, time_both: Callable[[], tuple[float, float]]) -> bool:
     """Whether shape ``key`` runs the Triton GEMM: ``time_both()`` -> (Triton ms, cuBLAS ms) is
-    called once per key, never while a CUDA graph is being captured (cuBLAS then, not remembered)."""
+    called once per key, never while a CUDA graph is being captured (cuBLAS then, not remembered).
+    A Triton GEMM that fails to compile or run (an unexpected GPU, say) leaves that shape on cuBLAS,
+    and the report says why, rather than failing generate."""
     got = _PICKS.get(key)
     if got is None:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return False
-        t_triton, t_cublas = time_both()
+        try:
+            t_triton, t_cublas = time_both()
+        except Exception as e:      # noqa: BLE001 - any kernel failure means: use cuBLAS
+            _FAILED[key] = f"{type(e).__name__}: {str(e)[:200]}"
+            t_triton, t_cublas = float("inf"), 0.0
         got = _PICKS[key] = t_triton < MARGIN * t_cublas
     return got
 
@@ -46,6 +53,11 @@ def pick_triton(key: tuple, time_both: Callable[[], tuple[float, float]]) -> boo
 def picks() -> dict[tuple, bool]:
     """The shapes timed so far (rows, N, K, dtype, device) and whether each runs the Triton GEMM."""
     return dict(_PICKS)
+
+
+def failures() -> dict[tuple, str]:
+    """Shapes whose Triton GEMM raised when it was timed (they run cuBLAS), with the error."""
+    return dict(_FAILED)
 
 
 def _time_both(x, weight) -> tuple[float, float]:

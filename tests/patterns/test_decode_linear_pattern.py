@@ -57,3 +57,25 @@ def test_pick_is_timed_once_per_shape_and_never_while_capturing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert linear_op.pick_triton(("c",), timer(0.1, 1.0)) is False     # cannot time inside a capture
     assert len(calls) == 2 and ("c",) not in linear_op.picks()
+
+
+def test_a_triton_gemm_that_fails_leaves_the_shape_on_cublas(monkeypatch):
+    monkeypatch.setattr(linear_op, "_PICKS", {})
+    monkeypatch.setattr(linear_op, "_FAILED", {})
+
+    def broken():
+        raise RuntimeError("no kernel image for this GPU")
+
+    assert linear_op.pick_triton(("d",), broken) is False
+    assert linear_op.picks() == {("d",): False}
+    assert "no kernel image" in linear_op.failures()[("d",)]
+
+
+def test_report_line_counts_the_picks(monkeypatch):
+    from gemma4opt.report import _decode_gemms
+
+    monkeypatch.setattr(linear_op, "_PICKS", {})
+    monkeypatch.setattr(linear_op, "_FAILED", {})
+    assert "no shape" in _decode_gemms()
+    monkeypatch.setattr(linear_op, "_PICKS", {(1, 8, 4, None, 0): True, (8, 8, 4, None, 0): False})
+    assert _decode_gemms().startswith("the skinny Triton GEMM on 1 of 2 shapes timed (rows [1, 8])")
