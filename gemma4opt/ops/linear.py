@@ -2,7 +2,8 @@
 
 On CUDA with at most ``MAX_ROWS`` rows (decode steps), each shape (rows, N, K, dtype) runs
 whichever of gemma4opt's skinny Triton GEMM (kernels/skinny_linear.py) and cuBLAS (F.linear) was
-faster when both were timed, cold in L2 as in a decode step, on that shape's first call. Decode
+faster when both were timed, cold in L2 as in a decode step, on that shape's first call (and only
+if its result matched cuBLAS's to 16-bit rounding on the model's own weights there). Decode
 graphs make that call eagerly before they capture, so a replay never times anything; a shape first
 seen inside a capture takes cuBLAS. Why a pick per shape and not a rule: on an H200
 (``bench_kernels.py --linear``) the Triton GEMM was 1.04-1.11x cuBLAS on the 31b's o_proj and
@@ -60,10 +61,21 @@ def failures() -> dict[tuple, str]:
     return dict(_FAILED)
 
 
+def check_close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-2) -> None:
+    """Raise unless ``got`` is ``want`` up to 16-bit rounding (relative error of the whole output):
+    a Triton GEMM is only picked after it gave cuBLAS's result on the model's own weights."""
+    err = (got.float() - want.float()).norm()
+    ref = want.float().norm()
+    if not err <= rel * ref + 1e-6:         # NaN fails too
+        raise ValueError(f"skinny Triton GEMM differs from cuBLAS: relative error {float(err / ref):.3g} > {rel}")
+
+
 def _time_both(x, weight) -> tuple[float, float]:
     import triton.testing
 
     from gemma4opt.kernels.skinny_linear import skinny_linear_triton
+
+    check_close(skinny_linear_triton(x, weight), F.linear(x, weight))
 
     # do_bench flushes L2 before each call: decode streams each weight from HBM once per step.
     def bench(fn):

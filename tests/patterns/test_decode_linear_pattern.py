@@ -79,3 +79,12 @@ def test_report_line_counts_the_picks(monkeypatch):
     assert "no shape" in _decode_gemms()
     monkeypatch.setattr(linear_op, "_PICKS", {(1, 8, 4, None, 0): True, (8, 8, 4, None, 0): False})
     assert _decode_gemms().startswith("the skinny Triton GEMM on 1 of 2 shapes timed (rows [1, 8])")
+
+
+def test_a_triton_result_that_differs_from_cublas_is_refused():
+    want = torch.randn(4, 64)
+    linear_op.check_close(want + 1e-4 * torch.randn(4, 64), want)       # 16-bit rounding: fine
+    with pytest.raises(ValueError, match="differs from cuBLAS"):
+        linear_op.check_close(want.flip(0), want)
+    with pytest.raises(ValueError, match="differs from cuBLAS"):
+        linear_op.check_close(torch.full((4, 64), float("nan")), want)
