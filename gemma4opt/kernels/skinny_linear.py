@@ -10,6 +10,12 @@ the first call, which decode graphs make eagerly before capturing.
 
 M == 1: an fp32 multiply-and-row-sum (tensor cores would idle 15 of 16 rows). 2 <= M <= 32:
 ``tl.dot`` on rows padded to 16 or 32 (padding rows are masked, never stored).
+
+Split K (2 <= M only, one more autotuned choice: 1, 2 or 4 splits): with 16-32 W rows per program
+a narrow GEMM has too few programs to fill the GPU evenly (the 31b's down_proj: 336 programs on
+132 SMs, 2.5 waves, measured 0.87x cuBLAS at 32 rows). Splits write fp32 partials and a second
+kernel sums them in split order (deterministic), as cuBLAS's split-K does. Not yet measured on a
+GPU: ``gemma4opt.linear`` picks it only where it times faster than cuBLAS and gives its result.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ MAX_ROWS = 32
 # loop bound and cannot benchmark configs: there tiles go to fp32, the loop is a while loop, and
 # one config runs. The compiled kernel keeps the for loop (Triton pipelines its loads).
 _COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
+_INTERPRETER_SPLIT = 2      # the one config the interpreter runs for 2+ rows (tests may change it)
 
 
 @triton.jit
@@ -51,50 +58,76 @@ def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm,
 
 
 @triton.jit
-def _skinny_kernel(X, W, Y, M, N, K, sxm, swn, sym,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _skinny_kernel(X, W, Y, P, M, N, K, sxm, swn, sym,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                    COMPILED: tl.constexpr, IEEE: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     w_rows = W + n.to(tl.int64)[:, None] * swn
     m = tl.arange(0, BLOCK_M)
     mmask = m < M
+    # Split sk walks K in [lo, hi): chunks of whole BLOCK_K tiles, so only the last tile masks.
+    sk = tl.program_id(1)
+    chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    lo = sk * chunk
+    hi = tl.minimum(lo + chunk, K)
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if COMPILED:
-        for k0 in range(0, K, BLOCK_K):
-            acc = _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, IEEE)
+        for k0 in range(lo, hi, BLOCK_K):
+            acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, IEEE)
     else:           # the interpreter takes no runtime range() bound
-        k0 = 0
-        while k0 < K:
-            acc = _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, IEEE)
+        k0 = lo
+        while k0 < hi:
+            acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, IEEE)
             k0 += BLOCK_K
     if BLOCK_M == 1:
         tl.store(Y + n, acc.to(Y.dtype.element_ty), mask=nmask)
-    else:
+    elif SPLIT_K == 1:
         tl.store(Y + m[:, None] * sym + n[None, :], acc.to(Y.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+    else:           # fp32 partial of split sk: P[sk, m, n], contiguous [SPLIT_K, M, N]
+        tl.store(P + (sk * M + m[:, None]).to(tl.int64) * N + n[None, :], acc,
                  mask=mmask[:, None] & nmask[None, :])
 
 
-# (BLOCK_N, BLOCK_K, warps): for one row, few W rows per program (many programs, even work per
-# SM) and long K runs; for tl.dot, 16+ W rows and shorter K tiles. Each compiles per (N, K, row
-# class): kept short so a warm-up tunes in seconds.
-_ROW_SUM = [(bn, bk, w) for bn in (4, 8, 16) for bk in (512, 1024) for w in (4, 8)]
-_DOT = [(bn, bk, 4) for bn in (16, 32, 64) for bk in (128, 256)]
+@triton.jit
+def _split_sum_kernel(P, Y, M, N, sym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """Y[m, n] = sum over splits of P[s, m, n], in split order."""
+    m = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    nmask = n < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(P + (s * M + m).to(tl.int64) * N + n, mask=nmask, other=0.0)
+    tl.store(Y + m * sym + n, acc.to(Y.dtype.element_ty), mask=nmask)
+
+
+# (BLOCK_N, BLOCK_K, warps, splits): for one row, few W rows per program (many programs, even work
+# per SM) and long K runs; for tl.dot, 16+ W rows and shorter K tiles, unsplit or split in 2 or 4
+# (narrow GEMMs). Tuned per (N, K, row class): kept short so a warm-up tunes in seconds.
+_ROW_SUM = [(bn, bk, w, 1) for bn in (4, 8, 16) for bk in (512, 1024) for w in (4, 8)]
+_DOT = [(bn, bk, 4, 1) for bn in (16, 32, 64) for bk in (128, 256)] + \
+    [(bn, bk, 4, sk) for bn in (16, 32) for bk in (128, 256) for sk in (2, 4)]
+MAX_SPLIT = 4
 
 
 def _configs():
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=3)
-            for bn, bk, w in dict.fromkeys(_ROW_SUM + _DOT)]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=w, num_stages=3)
+            for bn, bk, w, sk in dict.fromkeys(_ROW_SUM + _DOT)]
+
+
+def _key(c):
+    return c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.kwargs["SPLIT_K"]
 
 
 def _keep(configs, named_args, **kwargs):
     """The row-sum path's configs for one row, tl.dot's for more."""
     bm = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
     want = set(_ROW_SUM if bm == 1 else _DOT)
-    return [c for c in configs if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps) in want] or configs
+    return [c for c in configs if _key(c) in want] or configs
 
 
 def _bench(fn, quantiles=None):
@@ -102,7 +135,16 @@ def _bench(fn, quantiles=None):
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
-_tuned = triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M"], do_bench=_bench,
+def _sum_splits(nargs, exception=None):
+    """Launch the split sum after a split config's kernel; as the autotuner's post-hook it runs
+    inside each timed call, so a split config pays for its second kernel when configs are compared."""
+    if exception is None and nargs["SPLIT_K"] > 1:
+        M, N, y = nargs["M"], nargs["N"], nargs["Y"]
+        _split_sum_kernel[(M, triton.cdiv(N, 512))](nargs["P"], y, M, N, y.stride(0), SPLIT_K=nargs["SPLIT_K"],
+                                                     BLOCK=512)
+
+
+_tuned = triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M"], do_bench=_bench, post_hook=_sum_splits,
                          prune_configs_by={"early_config_prune": _keep})(_skinny_kernel)
 
 
@@ -119,11 +161,15 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M and N:
         bm = 1 if M == 1 else 16 if M <= 16 else 32
-        args = (x2, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0))
+        # Room for the most splits any config may take; a config with fewer uses the first ones.
+        part = torch.empty(MAX_SPLIT * M * N if bm > 1 else 1, dtype=torch.float32, device=x.device)
+        args = (x2, weight, y, part, M, N, K, x2.stride(0), weight.stride(0), y.stride(0))
         flags = dict(BLOCK_M=bm, COMPILED=_COMPILED, IEEE=x.dtype == torch.float32)
         if _COMPILED:
-            _tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags)
+            _tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])](*args, **flags)
+            split = _tuned.best_config.kwargs["SPLIT_K"]
         else:
-            bn = 4 if bm == 1 else 16
-            _skinny_kernel[(triton.cdiv(N, bn),)](*args, BLOCK_N=bn, BLOCK_K=32, **flags)
+            bn, split = (4, 1) if bm == 1 else (16, _INTERPRETER_SPLIT)
+            _skinny_kernel[(triton.cdiv(N, bn), split)](*args, BLOCK_N=bn, BLOCK_K=32, SPLIT_K=split, **flags)
+        _sum_splits(dict(P=part, Y=y, M=M, N=N, SPLIT_K=split))
     return y.view(*x.shape[:-1], N)
