@@ -151,9 +151,14 @@ def main(argv=None):
                 gbs = nbytes / (t_fused * 1e-6) / 1e9
                 row = dict(preset=preset, M=M, op=name, triton_us=t_fused, inductor_us=t_ind,
                            speedup=t_ind / t_fused, gb_s=gbs, frac_copy_bw=gbs * 1e9 / bw)
+                tuned = ""
+                if args.linear:     # the tile (and split) the autotuner kept for this shape
+                    from gemma4opt.kernels.skinny_linear import _tuned
+
+                    row["config"] = tuned = str(_tuned.best_config)
                 rows.append(row)
                 print(f"{preset:>8} {M:>5} {name:>28} {t_fused:>10.2f} {t_ind:>11.2f} {row['speedup']:>7.2f}x "
-                      f"{gbs:>7.0f} {row['frac_copy_bw']:>9.0%}")
+                      f"{gbs:>7.0f} {row['frac_copy_bw']:>9.0%}  {tuned}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
