@@ -2,6 +2,7 @@
 
     python benchmarks/bench_kernels.py [--presets 31b e4b] [--m 1 32 256 8192]
     python benchmarks/bench_kernels.py --linear --presets 31b --m 1 8 32   # decode GEMMs vs cuBLAS
+    python benchmarks/bench_kernels.py --sweep-norm-rope --presets 31b     # q/k prep launch configs
 
 For decode (M = 1, 32, 256 tokens) and prefill (M = 8192) shapes of the presets: time per call
 (replayed in a CUDA graph, as decode runs), achieved GB/s (bytes read + written / time), the fraction of the measured
@@ -122,6 +123,41 @@ def cases(cfg, M):
     return out
 
 
+def sweep_norm_rope(args):
+    """Per q/k prep case: the default launch's time, then the fastest (heads per program, warps)
+    found, each replayed in a CUDA graph; the data for retuning ``head_block``."""
+    from gemma4opt.kernels import rms_norm_rope as nr
+
+    rows = []
+    for preset in args.presets:
+        cfg = preset_config(preset)
+        for M in args.m:
+            for name, fn, _, fargs, _ in cases(cfg, M):
+                if "norm_rope" not in name:
+                    continue
+                fn(*fargs)
+                timed = {"default": triton.testing.do_bench_cudagraph(lambda: fn(*fargs), rep=30) * 1e3}
+                for hb in (1, 2, 4, 8, 16, 32):
+                    for warps in (1, 2, 4, 8, 16):
+                        nr.LAUNCH_OVERRIDE.update(hb=hb, warps=warps)
+                        try:
+                            fn(*fargs)
+                            timed[(hb, warps)] = triton.testing.do_bench_cudagraph(lambda: fn(*fargs), rep=30) * 1e3
+                        except Exception as e:      # noqa: BLE001 - a launch the GPU refuses is skipped
+                            print(f"# {name} hb={hb} warps={warps}: {type(e).__name__}")
+                        finally:
+                            nr.LAUNCH_OVERRIDE.clear()
+                best = min((k for k in timed if k != "default"), key=timed.get)
+                rows.append(dict(preset=preset, M=M, op=name, default_us=timed["default"], best=list(best),
+                                 best_us=timed[best], all={str(k): v for k, v in timed.items()}))
+                print(f"{preset:>8} {M:>5} {name:>40} default {timed['default']:8.2f} us   best {best} "
+                      f"{timed[best]:8.2f} us ({timed['default'] / timed[best]:.2f}x)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", nargs="+", default=["31b", "e4b", "26b-a4b"])
@@ -129,7 +165,11 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--linear", action="store_true",
                     help="the decode GEMMs instead (skinny Triton GEMM vs F.linear / cuBLAS; M <= 32)")
+    ap.add_argument("--sweep-norm-rope", action="store_true",
+                    help="time rms_norm_rope / qkv_norm_rope_append under every (heads per program, warps)")
     args = ap.parse_args(argv)
+    if args.sweep_norm_rope:
+        return sweep_norm_rope(args)
     bw = copy_bandwidth("cuda")
     print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s  dtype {DT}")
     print(f"{'preset':>8} {'M':>5} {'op':>28} {'triton us':>10} {'inductor us':>11} {'speedup':>8} "

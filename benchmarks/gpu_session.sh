@@ -98,6 +98,8 @@ for s in "$@"; do
             --systems gemma4opt-paged static_compile eager gemma4opt-paged-cublas --json "$OUT/gen.jsonl" ;;  # + decode_linear off
     genab) stage genab 420 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 \
             --systems gemma4opt-paged gemma4opt-paged-cublas eager --json "$OUT/gen.jsonl" ;;  # decode_linear on/off
+    normsweep) stage normsweep 300 python3 benchmarks/bench_kernels.py --sweep-norm-rope --presets 31b e4b \
+            --m 1 32 256 8192 --json "$OUT/normsweep.json" ;;   # q/k prep launch configs (head_block)
     lintest) stage lintest 150 $PYTEST tests/kernels/test_skinny_linear_kernel.py tests/gpu/test_gpu_linear.py ;;
     gene4b32) stage gene4b32 260 python3 benchmarks/bench_generate.py --preset e4b --batch 32 \
             --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;

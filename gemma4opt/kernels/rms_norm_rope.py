@@ -60,10 +60,17 @@ def _rms_norm_rope_kernel(X, W, C, Sn, O, H, S, sxb, sxs, sxh, scb, scs, ssb, ss
                     heads, cols, heads < H, cols < HALF, HALF, D, eps)
 
 
+# (heads per program, warps) forced by ``benchmarks/bench_kernels.py --sweep-norm-rope``, which
+# times the alternatives to the heuristic below (head_dim 512 runs at 0.8x Inductor with it).
+LAUNCH_OVERRIDE: dict = {}
+
+
 def head_block(tokens: int, heads: int, half: int) -> tuple[int, int, int]:
     """(heads per program, BLOCK, num_warps): ~2k elements per half-tile, fewer heads per program
     until there are enough programs to spread over the GPU."""
     block = triton.next_power_of_2(half)
+    if LAUNCH_OVERRIDE:
+        return min(triton.next_power_of_2(heads), LAUNCH_OVERRIDE["hb"]), block, LAUNCH_OVERRIDE["warps"]
     hb = min(triton.next_power_of_2(heads), max(1, 2048 // block))
     while hb > 1 and tokens * triton.cdiv(heads, hb) < 256:
         hb //= 2
