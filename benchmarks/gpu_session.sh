@@ -11,6 +11,8 @@
 # FlashInfer plan), kernels (Triton vs Inductor), realdims (bf16 error vs fp32 on real dims).
 # genfinal / gen2048 / gene4b / gen26b / gen31bfull: issue 5's table (paged vs HF static+compile
 # vs eager); attn: FlashInfer decode wrappers vs KV bytes; profile*, profpaged*: where a step goes.
+# genfinalab: issue 5's table plus gemma4opt without decode_linear (same run); linear / lintest: the
+# skinny decode GEMM against cuBLAS, and its tests; normsweep: q/k prep launch configs.
 # A fresh machine JIT-compiles FlashInfer (~2 min for the 31b's configs): keep stages that share
 # configs in one call, or in calls back to back while the machine is warm.
 set -o pipefail
