@@ -66,11 +66,14 @@ def _skinny_kernel(X, W, Y, P, M, N, K, sxm, swn, sym,
     w_rows = W + n.to(tl.int64)[:, None] * swn
     m = tl.arange(0, BLOCK_M)
     mmask = m < M
-    # Split sk walks K in [lo, hi): chunks of whole BLOCK_K tiles, so only the last tile masks.
     sk = tl.program_id(1)
-    chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    lo = sk * chunk
-    hi = tl.minimum(lo + chunk, K)
+    if SPLIT_K == 1:        # the whole of K, compiled as before split K existed (measured on the H200)
+        lo = 0
+        hi = K
+    else:                   # split sk: [lo, hi) in whole BLOCK_K tiles, so only the last tile masks
+        chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        lo = sk * chunk
+        hi = tl.minimum(lo + chunk, K)
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N], tl.float32)
     else:
