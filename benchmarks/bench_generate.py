@@ -91,8 +91,8 @@ def _line(row, res) -> str:
 
 
 def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> None:
-    gc.collect()
-    if args.device.startswith("cuda"):      # what the previous system left cached goes back to CUDA
+    gc.collect()            # what the previous system held (and PyTorch cached) goes back to CUDA
+    if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     kw, sys_model = {}, model
     if system == "static_compile":
@@ -124,14 +124,10 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
     if system in GEMMA4OPT_SYSTEMS:
         gemma4opt.report(sys_model)
     if sys_model is not model or system == "static_compile":
-        # Free what this system holds before the next one is measured: its copy of the weights,
-        # its KV pool or static cache and its CUDA graphs are reachable from Dynamo's caches until
-        # reset (at batch 128 x prompt 2048 the next system's prefill ran out of memory otherwise).
-        del sys_model
+        # Its copy of the weights, its KV pool or static cache and its CUDA graphs stay reachable
+        # from Dynamo's caches until reset (at batch 128 x prompt 2048 the next system's prefill ran
+        # out of memory otherwise); the next system's start collects and empties the cache.
         torch._dynamo.reset()
-        gc.collect()
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
 
 
 def _compare_with_eager(rows, results) -> None:
