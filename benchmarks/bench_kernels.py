@@ -3,6 +3,7 @@
     python benchmarks/bench_kernels.py [--presets 31b e4b] [--m 1 32 256 8192]
     python benchmarks/bench_kernels.py --linear --presets 31b --m 1 8 32   # decode GEMMs vs cuBLAS
     python benchmarks/bench_kernels.py --sweep-norm-rope --presets 31b     # q/k prep launch configs
+    python benchmarks/bench_kernels.py --sweep-linear --presets 31b --m 32  # skinny GEMM tiles vs cuBLAS
 
 For decode (M = 1, 32, 256 tokens) and prefill (M = 8192) shapes of the presets: time per call
 (replayed in a CUDA graph, as decode runs), achieved GB/s (bytes read + written / time), the fraction of the measured
@@ -158,6 +159,60 @@ def sweep_norm_rope(args):
     return rows
 
 
+def _linear_tiles():
+    """The tl.dot tiles the linear sweep times: x's rows or W's as the dot's M side (SWAP), K
+    unsplit or split, pipeline depth, warps; tiles whose stages would not fit shared memory left out."""
+    for swap in (False, True):
+        for bn in (16, 32, 64, 128):
+            for bk in (64, 128, 256):
+                for stages in (3, 5):
+                    if (bn + 32) * bk * 2 * stages > 200 * 1024:
+                        continue
+                    for warps in ((4,) if bn < 64 else (4, 8)):
+                        for split in (1, 2, 4):
+                            yield dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SWAP=swap, num_warps=warps,
+                                       num_stages=stages)
+
+
+def sweep_linear(args):
+    """Per decode GEMM with M > 1 rows: cuBLAS, the autotuned skinny GEMM, and every tile of
+    ``_linear_tiles`` (each replayed in a CUDA graph); the data for the autotuner's config list.
+    Rows are written as they come (a sweep may outlast its time limit)."""
+    out = open(args.json, "w") if args.json else None
+    for preset in args.presets:
+        cfg = preset_config(preset)
+        for M in args.m:
+            if not 1 < M <= 32:
+                continue
+            # Biggest weights first: a sweep cut short by its time limit still has them.
+            for name, fn, ref, (x, w), nbytes in sorted(linear_cases(cfg, M), key=lambda c: -c[3][1].numel()):
+                want = ref(x, w)
+                fn(x, w)
+                timed = {"cublas": triton.testing.do_bench_cudagraph(lambda: ref(x, w), rep=20) * 1e3,
+                         "autotuned": triton.testing.do_bench_cudagraph(lambda: fn(x, w), rep=20) * 1e3}
+                for tile in _linear_tiles():
+                    try:
+                        got = fn(x, w, tile)
+                        if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+                            print(f"# {name} {tile}: wrong result")
+                            continue
+                        timed[str(tile)] = triton.testing.do_bench_cudagraph(lambda: fn(x, w, tile), rep=15) * 1e3
+                    except Exception as e:      # noqa: BLE001 - a tile the GPU refuses is skipped
+                        print(f"# {name} {tile}: {type(e).__name__} {str(e)[:80]}")
+                ranked = sorted((k for k in timed if k.startswith("{")), key=timed.get)
+                row = dict(preset=preset, M=M, op=name, cublas_us=timed["cublas"], autotuned_us=timed["autotuned"],
+                           best=ranked[:5], best_us=[timed[k] for k in ranked[:5]],
+                           gb_s_best=nbytes / (timed[ranked[0]] * 1e-6) / 1e9 if ranked else None)
+                print(f"{preset:>6} {M:>3} {name:>24} cublas {timed['cublas']:7.2f} autotuned {timed['autotuned']:7.2f} "
+                      f"best {timed[ranked[0]]:7.2f} ({timed['cublas'] / timed[ranked[0]]:.2f}x cublas) {ranked[0]}",
+                      flush=True)
+                for k in ranked[1:5]:
+                    print(f"{'':>36} {timed[k]:7.2f} {k}")
+                if out:
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", nargs="+", default=["31b", "e4b", "26b-a4b"])
@@ -167,7 +222,11 @@ def main(argv=None):
                     help="the decode GEMMs instead (skinny Triton GEMM vs F.linear / cuBLAS; M <= 32)")
     ap.add_argument("--sweep-norm-rope", action="store_true",
                     help="time rms_norm_rope / qkv_norm_rope_append under every (heads per program, warps)")
+    ap.add_argument("--sweep-linear", action="store_true",
+                    help="time every skinny GEMM tile against cuBLAS on the decode GEMMs (2-32 rows)")
     args = ap.parse_args(argv)
+    if args.sweep_linear:
+        return sweep_linear(args)
     if args.sweep_norm_rope:
         return sweep_norm_rope(args)
     bw = copy_bandwidth("cuda")

@@ -12,7 +12,8 @@
 # genfinal / gen2048 / gene4b / gen26b / gen31bfull: issue 5's table (paged vs HF static+compile
 # vs eager); attn: FlashInfer decode wrappers vs KV bytes; profile*, profpaged*: where a step goes.
 # genfinalab: issue 5's table plus gemma4opt without decode_linear (same run); linear / lintest: the
-# skinny decode GEMM against cuBLAS, and its tests; normsweep: q/k prep launch configs.
+# skinny decode GEMM against cuBLAS, and its tests; linsweep: every tile of it at 32 rows; normsweep: q/k
+# prep launch configs.
 # A fresh machine JIT-compiles FlashInfer (~2 min for the 31b's configs): keep stages that share
 # configs in one call, or in calls back to back while the machine is warm.
 set -o pipefail
@@ -102,6 +103,8 @@ for s in "$@"; do
             --systems gemma4opt-paged gemma4opt-paged-cublas eager --json "$OUT/gen.jsonl" ;;  # decode_linear on/off
     normsweep) stage normsweep 300 python3 benchmarks/bench_kernels.py --sweep-norm-rope --presets 31b e4b \
             --m 1 32 256 8192 --json "$OUT/normsweep.json" ;;   # q/k prep launch configs (head_block)
+    linsweep) stage linsweep 360 python3 benchmarks/bench_kernels.py --sweep-linear --presets 31b --m 32 \
+            --json "$OUT/linsweep.jsonl" ;;   # every skinny GEMM tile vs cuBLAS at 32 rows
     lintest) stage lintest 150 $PYTEST tests/kernels/test_skinny_linear_kernel.py tests/gpu/test_gpu_linear.py ;;
     gene4b32) stage gene4b32 260 python3 benchmarks/bench_generate.py --preset e4b --batch 32 \
             --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;

@@ -70,6 +70,40 @@ def print_categories(kernels: dict, steps: int, what: str, top=8):
             print(f"    {dev / steps:8.1f} {n / steps:6.1f} {dev / max(n, 1):7.2f}  {key[:90]}")
 
 
+def idle_gaps(prof, launches_per_step: float, steps: int, top=12):
+    """Device idle time per decode step over the profile's last ``steps`` steps: the span of their
+    kernels minus the union of the kernels' intervals, by gap size, and the kernel pairs with the
+    most idle time between them (a host that falls behind shows as large gaps before a step's first
+    kernel; launch latency inside a graph as many ~1 us gaps)."""
+    from torch.autograd import DeviceType
+
+    ks = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    ks = ks[-int(launches_per_step * steps):]
+    if len(ks) < 2:
+        return
+    span = ks[-1].time_range.end - ks[0].time_range.start
+    buckets = {"<1us": 0.0, "1-3us": 0.0, "3-10us": 0.0, ">10us": 0.0}
+    pairs, end = {}, ks[0].time_range.end
+    for prev, k in zip(ks, ks[1:]):
+        gap = k.time_range.start - end
+        end = max(end, k.time_range.end)
+        if gap <= 0:
+            continue
+        buckets["<1us" if gap < 1 else "1-3us" if gap < 3 else "3-10us" if gap < 10 else ">10us"] += gap
+        key = (prev.name[:40], k.name[:40])
+        got = pairs.setdefault(key, [0.0, 0])
+        got[0] += gap
+        got[1] += 1
+    idle = sum(buckets.values())
+    print(f"device timeline over the last {steps} decode steps: {span / steps:.1f} us per step, "
+          f"idle {idle / steps:.1f} us per step ({idle / span:.1%}); idle by gap size per step: "
+          + ", ".join(f"{k} {v / steps:.1f}" for k, v in buckets.items()))
+    print("  most idle between (us per step, gaps per step): previous kernel -> next kernel")
+    for (a, b), (gap, n) in sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"    {gap / steps:7.1f} {n / steps:5.1f}  {a} -> {b}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", choices=sorted(ALL_PRESETS))
@@ -105,7 +139,7 @@ def main(argv=None):
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t) * 1e3
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+                                            torch.profiler.ProfilerActivity.CUDA], record_shapes=True) as prof:
         gen()
         torch.cuda.synchronize()
     st = model._gemma4opt
@@ -120,8 +154,15 @@ def main(argv=None):
         gen(1)
         torch.cuda.synchronize()
     steps = max(args.new - 1, 1)
-    print_categories(subtract(device_kernels(avgs), device_kernels(prefill.key_averages())), steps,
-                     "decode step")
+    per_step = subtract(device_kernels(avgs), device_kernels(prefill.key_averages()))
+    print_categories(per_step, steps, "decode step")
+    idle_gaps(prof, sum(n for _, n in per_step.values()) / steps, steps // 2)
+    print("small host-launched ops by input shape (calls, device us in all): which tensors the copies move")
+    for e in prof.key_averages(group_by_input_shape=True):
+        dev = getattr(e, "device_time_total", 0)
+        if e.key in ("aten::copy_", "aten::where", "aten::cat", "aten::argmax", "aten::index_copy_",
+                     "aten::fill_", "aten::any", "aten::all") and dev > 0:
+            print(f"  {e.key:>18} {e.count:6d} {dev:10.1f}  {str(e.input_shapes)[:120]}")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=70))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
 

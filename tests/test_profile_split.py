@@ -19,3 +19,21 @@ def test_gemma4opt_kernels_land_in_their_categories(capsys):
     gemm = next(line for line in lines if line.strip().startswith("gemm "))
     attention = next(line for line in lines if line.strip().startswith("attention "))
     assert gemm.split()[1] == "30.0" and attention.split()[1] == "15.0"
+
+
+def test_idle_gaps_count_the_union_of_overlapping_kernels(capsys):
+    """Idle time is the span minus the kernels' union: an overlapping kernel hides no gap, and the
+    gap after it is measured from the later end."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def k(name, start, end, device=DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [k("host_op", 0, 500, DeviceType.CPU), k("a", 0, 10), k("b", 5, 20), k("c", 22, 30), k("d", 50, 60)]
+    profile_decode.idle_gaps(SimpleNamespace(events=lambda: events), launches_per_step=2, steps=2)
+    out = capsys.readouterr().out
+    assert "30.0 us per step, idle 11.0 us per step" in out      # span 60, gaps 2 + 20 over 2 steps
+    assert "1-3us 1.0" in out and ">10us 10.0" in out
+    assert "c -> d" in out.splitlines()[2]

@@ -38,8 +38,10 @@ _INTERPRETER_SPLIT = 2      # the one config the interpreter runs for 2+ rows (t
 
 @triton.jit
 def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm,
-            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, IEEE: tl.constexpr):
-    """acc += x[:, k0:k0+BLOCK_K] @ W[rows, k0:k0+BLOCK_K]^T."""
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, IEEE: tl.constexpr,
+            SWAP: tl.constexpr):
+    """acc += x[:, k0:k0+BLOCK_K] @ W[rows, k0:k0+BLOCK_K]^T (SWAP: its transpose, W rows as the
+    dot's M side, so a 64+ row W tile can take Hopper's warpgroup MMA with the few x rows as N)."""
     k = k0 + tl.arange(0, BLOCK_K)
     kmask = k < K
     w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
@@ -50,7 +52,12 @@ def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm,
         x = tl.load(X + m[:, None] * sxm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         if not COMPILED:
             x, w = x.to(tl.float32), w.to(tl.float32)
-        if IEEE:        # fp32 models: exact products (Triton's fp32 dot default is TF32)
+        if SWAP:
+            if IEEE:    # fp32 models: exact products (Triton's fp32 dot default is TF32)
+                acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+            else:
+                acc += tl.dot(w, tl.trans(x))
+        elif IEEE:
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
@@ -60,7 +67,7 @@ def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm,
 @triton.jit
 def _skinny_kernel(X, W, Y, P, M, N, K, sxm, swn, sym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                   COMPILED: tl.constexpr, IEEE: tl.constexpr):
+                   COMPILED: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr = False):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     w_rows = W + n.to(tl.int64)[:, None] * swn
@@ -76,18 +83,26 @@ def _skinny_kernel(X, W, Y, P, M, N, K, sxm, swn, sym,
         hi = tl.minimum(lo + chunk, K)
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N], tl.float32)
+    elif SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if COMPILED:
         for k0 in range(lo, hi, BLOCK_K):
-            acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, IEEE)
+            acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, IEEE, SWAP)
     else:           # the interpreter takes no runtime range() bound
         k0 = lo
         while k0 < hi:
-            acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, IEEE)
+            acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, IEEE, SWAP)
             k0 += BLOCK_K
     if BLOCK_M == 1:
         tl.store(Y + n, acc.to(Y.dtype.element_ty), mask=nmask)
+    elif SWAP and SPLIT_K == 1:
+        tl.store(Y + m[None, :] * sym + n[:, None], acc.to(Y.dtype.element_ty),
+                 mask=mmask[None, :] & nmask[:, None])
+    elif SWAP:
+        tl.store(P + (sk * M + m[None, :]).to(tl.int64) * N + n[:, None], acc,
+                 mask=mmask[None, :] & nmask[:, None])
     elif SPLIT_K == 1:
         tl.store(Y + m[:, None] * sym + n[None, :], acc.to(Y.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
@@ -151,8 +166,11 @@ _tuned = triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M"], do_bench
                          prune_configs_by={"early_config_prune": _keep})(_skinny_kernel)
 
 
-def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] with at most MAX_ROWS rows in all, weight [N, K] (unit stride along K) -> [..., N]."""
+def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """x [..., K] with at most MAX_ROWS rows in all, weight [N, K] (unit stride along K) -> [..., N].
+
+    ``config`` runs one tile instead of the autotuned one (benchmark sweeps, tests): BLOCK_N,
+    BLOCK_K, and optionally SPLIT_K, SWAP, num_warps, num_stages."""
     x2 = rows_view(x)
     M, K = x2.shape
     N = weight.shape[0]
@@ -168,11 +186,19 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         part = torch.empty(MAX_SPLIT * M * N if bm > 1 else 1, dtype=torch.float32, device=x.device)
         args = (x2, weight, y, part, M, N, K, x2.stride(0), weight.stride(0), y.stride(0))
         flags = dict(BLOCK_M=bm, COMPILED=_COMPILED, IEEE=x.dtype == torch.float32)
-        if _COMPILED:
+        if config is None and not _COMPILED:
+            bn, split = (4, 1) if bm == 1 else (16, _INTERPRETER_SPLIT)
+            config = dict(BLOCK_N=bn, BLOCK_K=32, SPLIT_K=split)
+        if config is None:
             _tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])](*args, **flags)
             split = _tuned.best_config.kwargs["SPLIT_K"]
         else:
-            bn, split = (4, 1) if bm == 1 else (16, _INTERPRETER_SPLIT)
-            _skinny_kernel[(triton.cdiv(N, bn), split)](*args, BLOCK_N=bn, BLOCK_K=32, SPLIT_K=split, **flags)
+            meta = {**dict(SPLIT_K=1, SWAP=False, num_warps=4, num_stages=3), **config}
+            split = meta["SPLIT_K"] if bm > 1 else 1
+            if split > MAX_SPLIT or (meta["SWAP"] and bm == 1):
+                raise ValueError(f"gemma4opt skinny_linear: config {config} (at most {MAX_SPLIT} splits; "
+                                 f"SWAP needs 2+ rows)")
+            meta.update(SPLIT_K=split)
+            _skinny_kernel[(triton.cdiv(N, meta["BLOCK_N"]), split)](*args, **meta, **flags)
         _sum_splits(dict(P=part, Y=y, M=M, N=N, SPLIT_K=split))
     return y.view(*x.shape[:-1], N)

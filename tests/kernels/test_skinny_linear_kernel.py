@@ -59,3 +59,24 @@ def test_split_k_sums_every_chunk(monkeypatch, split, rows, n, k):
     x = torch.randn(rows, k, generator=g)
     w = torch.randn(n, k, generator=g) / k ** 0.5
     close(skinny_linear_triton(x, w), F.linear(x, w), torch.float32)
+
+
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("rows,n,k", [(2, 70, 100), (17, 33, 70), (MAX_ROWS, 64, 260)])
+def test_explicit_tiles_transposed_or_split(swap, split, rows, n, k):
+    """Every tile the benchmark sweeps may pick: W rows as the dot's M side (SWAP) or x's rows,
+    K unsplit or split (uneven chunks), N not a multiple of the tile."""
+    g = torch.Generator().manual_seed(split * 10 + rows + swap)
+    x = torch.randn(rows, k, generator=g).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE)
+    cfg = dict(BLOCK_N=16 if n < 64 else 64, BLOCK_K=32, SPLIT_K=split, SWAP=swap)
+    close(skinny_linear_triton(x, w, cfg), F.linear(x, w), torch.float32)
+
+
+def test_explicit_tile_refuses_what_it_cannot_run():
+    x, w = torch.randn(2, 8, device=DEVICE), torch.randn(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="at most 4 splits"):
+        skinny_linear_triton(x, w, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=8))
+    with pytest.raises(ValueError, match="SWAP needs 2"):
+        skinny_linear_triton(x[:1], w, dict(BLOCK_N=16, BLOCK_K=32, SWAP=True))
