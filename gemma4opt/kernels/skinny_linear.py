@@ -9,13 +9,13 @@ runs, with no split and no second kernel. The tile shape is autotuned per (N, K,
 the first call, which decode graphs make eagerly before capturing.
 
 M == 1: an fp32 multiply-and-row-sum (tensor cores would idle 15 of 16 rows). 2 <= M <= 32:
-``tl.dot`` on rows padded to 16 or 32 (padding rows are masked, never stored).
+``tl.dot`` with W's rows as the dot's M side and x's rows (padded to 16 or 32, masked) as its N
+side, cuBLAS's own layout for these shapes ("TNT" tiles of 128-192 W rows by 32): a 64-128 row W tile
+feeds Hopper's warpgroup MMA, where x-rows-as-M tiles (the first version) ran as low as 0.84x cuBLAS.
 
-Split K (2 <= M only, one more autotuned choice: 1, 2 or 4 splits): with 16-32 W rows per program
-a narrow GEMM has too few programs to fill the GPU evenly (the 31b's down_proj: 336 programs on
-132 SMs, 2.5 waves, measured 0.87x cuBLAS at 32 rows). Splits write fp32 partials and a second
-kernel sums them in split order (deterministic), as cuBLAS's split-K does. Not yet measured on a
-GPU: ``gemma4opt.linear`` picks it only where it times faster than cuBLAS and gives its result.
+Split K (2 <= M only, one more autotuned choice: 1, 2 or 4 splits): with few W rows per program a
+narrow GEMM has too few programs to fill the GPU evenly (the 31b's down_proj). Splits write fp32
+partials and a second kernel sums them in split order (deterministic), as cuBLAS's split-K does.
 """
 from __future__ import annotations
 
@@ -123,22 +123,28 @@ def _split_sum_kernel(P, Y, M, N, sym, SPLIT_K: tl.constexpr, BLOCK: tl.constexp
     tl.store(Y + m * sym + n, acc.to(Y.dtype.element_ty), mask=nmask)
 
 
-# (BLOCK_N, BLOCK_K, warps, splits): for one row, few W rows per program (many programs, even work
-# per SM) and long K runs; for tl.dot, 16+ W rows and shorter K tiles, unsplit or split in 2 or 4
-# (narrow GEMMs). Tuned per (N, K, row class): kept short so a warm-up tunes in seconds.
-_ROW_SUM = [(bn, bk, w, 1) for bn in (4, 8, 16) for bk in (512, 1024) for w in (4, 8)]
-_DOT = [(bn, bk, 4, 1) for bn in (16, 32, 64) for bk in (128, 256)] + \
-    [(bn, bk, 4, sk) for bn in (16, 32) for bk in (128, 256) for sk in (2, 4)]
+# (BLOCK_N, BLOCK_K, warps, splits, stages, SWAP). One row: few W rows per program (many programs,
+# even work per SM) and long K runs. 2-32 rows: W rows as the dot's M side (SWAP), 64-128 of them per
+# program, unsplit or split in 2 or 4 (narrow GEMMs). ``bench_kernels.py --sweep-linear`` timed 180
+# tiles on the 31b's GEMMs at 32 rows on an H200: every shape's five fastest were SWAP tiles, these
+# among them; the best beat cuBLAS by 1.13x on o_proj (sliding), 1.05x (full) and 1.03x on down,
+# and tied on gate/up and q/k/v. The old x-rows-as-M tiles (the last two) stay for small N.
+# Tuned per (N, K, row class): kept short so a warm-up tunes in seconds.
+_ROW_SUM = [(bn, bk, w, 1, 3, False) for bn in (4, 8, 16) for bk in (512, 1024) for w in (4, 8)]
+_DOT = [(64, 128, 4, 1, 3, True), (64, 128, 4, 1, 5, True), (64, 64, 4, 1, 5, True), (128, 64, 8, 1, 3, True),
+        (128, 128, 8, 2, 5, True), (64, 128, 4, 2, 3, True), (64, 128, 4, 4, 3, True), (64, 64, 4, 4, 5, True),
+        (16, 256, 4, 1, 3, False), (32, 128, 4, 4, 3, False)]
 MAX_SPLIT = 4
 
 
 def _configs():
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=w, num_stages=3)
-            for bn, bk, w, sk in dict.fromkeys(_ROW_SUM + _DOT)]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "SWAP": swap}, num_warps=w, num_stages=st)
+            for bn, bk, w, sk, st, swap in dict.fromkeys(_ROW_SUM + _DOT)]
 
 
 def _key(c):
-    return c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.kwargs["SPLIT_K"]
+    k = c.kwargs
+    return k["BLOCK_N"], k["BLOCK_K"], c.num_warps, k["SPLIT_K"], c.num_stages, k["SWAP"]
 
 
 def _keep(configs, named_args, **kwargs):
