@@ -105,6 +105,8 @@ for s in "$@"; do
             --m 1 32 256 8192 --json "$OUT/normsweep.json" ;;   # q/k prep launch configs (head_block)
     linsweep) stage linsweep 360 python3 benchmarks/bench_kernels.py --sweep-linear --presets 31b --m 32 \
             --json "$OUT/linsweep.jsonl" ;;   # every skinny GEMM tile vs cuBLAS at 32 rows
+    gen32ab) stage gen32ab 320 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 32 --repeats 5 \
+            --systems gemma4opt-paged static_compile gemma4opt-paged-cublas --json "$OUT/gen.jsonl" ;;  # batch 32, best of 5
     lintest) stage lintest 150 $PYTEST tests/kernels/test_skinny_linear_kernel.py tests/gpu/test_gpu_linear.py ;;
     gene4b32) stage gene4b32 260 python3 benchmarks/bench_generate.py --preset e4b --batch 32 \
             --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;
