@@ -8,6 +8,15 @@ import triton.language as tl
 _BLOCK = 1024
 
 
+def _block(D: int) -> tuple[int, int]:
+    """(BLOCK, num_warps): 1024 columns a program where the row splits evenly enough (31b, e4b,
+    e2b: multiples of 1024), else 256, so a row's last program is not mostly masked: the 26b-a4b's
+    2112 columns in 1024-blocks leave 31 % of the lanes idle (0.76x Inductor at 8192 rows, H200)."""
+    if triton.cdiv(D, _BLOCK) * _BLOCK <= 1.07 * D:
+        return _BLOCK, 4
+    return 256, 2
+
+
 @triton.jit
 def _tanh(x):
     # tanh via exp, stable for large |x| (tl.math.tanh is not in every Triton release)
@@ -35,6 +44,8 @@ def gelu_tanh_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     u2 = up.reshape(-1, D) if up.stride(-1) == 1 else up.contiguous().reshape(-1, D)
     out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
     if out.numel():
-        grid = (out.shape[0], triton.cdiv(D, _BLOCK))
-        _gelu_tanh_mul_kernel[grid](g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), D, BLOCK=_BLOCK)
+        block, warps = _block(D)
+        grid = (out.shape[0], triton.cdiv(D, block))
+        _gelu_tanh_mul_kernel[grid](g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), D, BLOCK=block,
+                                    num_warps=warps)
     return out.view(gate.shape)
