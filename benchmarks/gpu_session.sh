@@ -102,7 +102,7 @@ for s in "$@"; do
     genab) stage genab 420 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 \
             --systems gemma4opt-paged gemma4opt-paged-cublas eager --json "$OUT/gen.jsonl" ;;  # decode_linear on/off
     normsweep) stage normsweep 300 python3 benchmarks/bench_kernels.py --sweep-norm-rope --presets 31b e4b \
-            --m 1 32 256 8192 --json "$OUT/normsweep.json" ;;   # q/k prep launch configs (head_block)
+            --m 1 32 256 8192 --json "$OUT/normsweep.jsonl" ;;   # q/k prep launch configs (head_block)
     linsweep) stage linsweep 360 python3 benchmarks/bench_kernels.py --sweep-linear --presets 31b --m 32 \
             --json "$OUT/linsweep.jsonl" ;;   # every skinny GEMM tile vs cuBLAS at 32 rows
     gen32ab) stage gen32ab 320 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 32 --repeats 5 \
