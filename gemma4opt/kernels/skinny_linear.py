@@ -4,9 +4,9 @@
 (``benchmarks/bench_kernels.py --linear`` compares them). Why it can win: at batch 1 the 31b decode step's layer
 GEMMs stream their weights at ~3.83 TB/s through cuBLASLt (24 of them per step split K and add a
 reduce kernel), while the lm_head, one plain stream, reaches 4.34 (README, batch-1 profile).
-Here each program owns BLOCK_N rows of W and walks all of K: W is read once, in long contiguous
-runs, with no split and no second kernel. The tile shape is autotuned per (N, K, row class) on
-the first call, which decode graphs make eagerly before capturing.
+Here each program owns BLOCK_N rows of W and walks all of K (at one row always; at 2-32 rows the
+autotuner may split K, below): W is read once, in long contiguous runs. The tile shape is autotuned
+per (N, K, row class) on the first call, which decode graphs make eagerly before capturing.
 
 M == 1: an fp32 multiply-and-row-sum (tensor cores would idle 15 of 16 rows). 2 <= M <= 32:
 ``tl.dot`` with W's rows as the dot's M side and x's rows (padded to 16 or 32, masked) as its N
