@@ -47,7 +47,7 @@ for s in "$@"; do
     profile) stage profile 150 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 ;;
     profile32) stage profile32 150 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --batch 32 ;;
     profpaged1) stage profpaged1 240 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --attention paged ;;
-    profpaged32) stage profpaged32 200 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --batch 32 --attention paged ;;
+    profpaged32) stage profpaged32 330 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --batch 32 --attention paged ;;
     attn) MAX_JOBS=16 stage attn 420 python3 benchmarks/bench_attention.py --json "$OUT/attention.jsonl" ;;
     genpaged) stage genpaged 420 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 32 \
             --systems gemma4opt-paged gemma4opt static_compile eager --json "$OUT/gen.jsonl" ;;
@@ -86,7 +86,7 @@ for s in "$@"; do
             python3 benchmarks/bench_attention.py --kinds full --variants triton triton-b32-w4-s2 triton-b32-w8-s3 \
             triton-b64-w8-s2 --batch 1 8 32 64 --context 160 1024 4096 --json "$OUT/attention_cfg.jsonl"' ;;
     pagedcore) MAX_JOBS=16 stage pagedcore 480 $PYTEST -s tests/gpu/test_gpu_paged.py -k "sync or bucket or window" ;;
-    bucketsync) MAX_JOBS=4 stage bucketsync 330 $PYTEST -s tests/gpu/test_gpu_paged.py -k "sync or bucket" ;;  # few JIT jobs: a benchmark may share the host
+    bucketsync) MAX_JOBS=8 stage bucketsync 480 $PYTEST -s tests/gpu/test_gpu_paged.py -k "sync or bucket" ;;  # few JIT jobs: a benchmark may share the host
     linear) stage linear 300 python3 benchmarks/bench_kernels.py --linear --presets 31b e4b --m 1 8 32 \
             --json "$OUT/linear.json" ;;   # skinny Triton GEMM (autotuned) vs cuBLAS
     windowtest) MAX_JOBS=16 stage windowtest 280 $PYTEST -s tests/gpu/test_gpu_paged.py -k "window" ;;
