@@ -17,6 +17,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from gemma4opt.ops.pick import bench_cold, check_close, pick_faster
+
 MAX_ROWS = 32
 MARGIN = 0.98          # Triton must be at least 2 % faster to be picked
 _PICKS: dict[tuple, bool] = {}      # (rows, N, K, dtype, device index) -> the Triton GEMM
@@ -38,17 +40,7 @@ def pick_triton(key: tuple, time_both: Callable[[], tuple[float, float]]) -> boo
     called once per key, never while a CUDA graph is being captured (cuBLAS then, not remembered).
     A Triton GEMM that fails to compile or run (an unexpected GPU, say) leaves that shape on cuBLAS,
     and the report says why, rather than failing generate."""
-    got = _PICKS.get(key)
-    if got is None:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return False
-        try:
-            t_triton, t_cublas = time_both()
-        except Exception as e:      # noqa: BLE001 - any kernel failure means: use cuBLAS
-            _FAILED[key] = f"{type(e).__name__}: {str(e)[:200]}"
-            t_triton, t_cublas = float("inf"), 0.0
-        got = _PICKS[key] = t_triton < MARGIN * t_cublas
-    return got
+    return pick_faster(_PICKS, _FAILED, key, time_both, MARGIN)
 
 
 def picks() -> dict[tuple, bool]:
@@ -61,27 +53,11 @@ def failures() -> dict[tuple, str]:
     return dict(_FAILED)
 
 
-def check_close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-2) -> None:
-    """Raise unless ``got`` is ``want`` up to 16-bit rounding (relative error of the whole output):
-    a Triton GEMM is only picked after it gave cuBLAS's result on the model's own weights."""
-    err = (got.float() - want.float()).norm()
-    ref = want.float().norm()
-    if not err <= rel * ref + 1e-6:         # NaN fails too
-        raise ValueError(f"skinny Triton GEMM differs from cuBLAS: relative error {float(err / ref):.3g} > {rel}")
-
-
 def _time_both(x, weight) -> tuple[float, float]:
-    import triton.testing
-
     from gemma4opt.kernels.skinny_linear import skinny_linear_triton
 
-    check_close(skinny_linear_triton(x, weight), F.linear(x, weight))
-
-    # do_bench flushes L2 before each call: decode streams each weight from HBM once per step.
-    def bench(fn):
-        return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
-
-    return bench(lambda: skinny_linear_triton(x, weight)), bench(lambda: F.linear(x, weight))
+    check_close(skinny_linear_triton(x, weight), F.linear(x, weight), what="skinny Triton GEMM", other="cuBLAS")
+    return bench_cold(lambda: skinny_linear_triton(x, weight)), bench_cold(lambda: F.linear(x, weight))
 
 
 @linear.register_kernel("cuda")

@@ -1,0 +1,47 @@
+"""Per-shape picks between a gemma4opt Triton kernel and the path it replaces, timed once each.
+
+Used where neither side wins everywhere (``gemma4opt.linear`` against cuBLAS, ``gemma4opt.moe_experts``
+against HF's grouped experts): the first call of a shape times both, outside any CUDA graph
+capture (decode graphs warm up eagerly first), after checking that the Triton result matches.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def pick_faster(picks: dict, failed: dict, key: tuple, time_both: Callable[[], tuple[float, float]],
+                margin: float) -> bool:
+    """Whether shape ``key`` runs the Triton kernel: ``time_both()`` -> (Triton ms, other ms) is
+    called once per key, never while a CUDA graph is being captured (the other path then, not
+    remembered). Triton must be faster by ``margin`` (ties go to the path the model had). A
+    Triton kernel that fails to compile, run or match leaves that shape on the other path, and
+    ``failed`` says why, rather than failing generate."""
+    got = picks.get(key)
+    if got is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return False
+        try:
+            t_triton, t_other = time_both()
+        except Exception as e:      # noqa: BLE001 - any kernel failure means: the other path
+            failed[key] = f"{type(e).__name__}: {str(e)[:200]}"
+            t_triton, t_other = float("inf"), 0.0
+        got = picks[key] = t_triton < margin * t_other
+    return got
+
+
+def check_close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-2, what: str = "Triton kernel",
+                other: str = "the path it replaces") -> None:
+    """Raise unless ``got`` is ``want`` up to 16-bit rounding (relative error of the whole output)."""
+    err = (got.float() - want.float()).norm()
+    ref = want.float().norm()
+    if not err <= rel * ref + 1e-6:         # NaN fails too
+        raise ValueError(f"{what} differs from {other}: relative error {float(err / ref):.3g} > {rel}")
+
+
+def bench_cold(fn) -> float:
+    """Median ms of ``fn`` with L2 flushed before each call: decode streams its weights from HBM."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
