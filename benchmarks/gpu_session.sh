@@ -13,7 +13,8 @@
 # vs eager); attn: FlashInfer decode wrappers vs KV bytes; profile*, profpaged*: where a step goes.
 # genfinalab: issue 5's table plus gemma4opt without decode_linear (same run); linear / lintest: the
 # skinny decode GEMM against cuBLAS, and its tests; linsweep: every tile of it at 32 rows; normsweep: q/k
-# prep launch configs.
+# prep launch configs; moetest: the decode MoE experts kernels compiled and against HF at the 26b-a4b's
+# dimensions (then gen26b for the end-to-end effect).
 # A fresh machine JIT-compiles FlashInfer (~2 min for the 31b's configs): keep stages that share
 # configs in one call, or in calls back to back while the machine is warm.
 set -o pipefail
@@ -107,6 +108,7 @@ for s in "$@"; do
             --json "$OUT/linsweep.jsonl" ;;   # every skinny GEMM tile vs cuBLAS at 32 rows
     gen32ab) stage gen32ab 320 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 32 --repeats 5 \
             --systems gemma4opt-paged static_compile gemma4opt-paged-cublas --json "$OUT/gen.jsonl" ;;  # batch 32, best of 5
+    moetest) stage moetest 150 $PYTEST tests/kernels/test_moe_experts_kernel.py tests/gpu/test_gpu_moe_experts.py ;;
     lintest) stage lintest 150 $PYTEST tests/kernels/test_skinny_linear_kernel.py tests/gpu/test_gpu_linear.py ;;
     gene4b32) stage gene4b32 260 python3 benchmarks/bench_generate.py --preset e4b --batch 32 \
             --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;

@@ -36,6 +36,7 @@ class Report:
     stop_check: str = "per step (HF)"
     graph_key_changes: dict[str, int] = field(default_factory=dict)
     decode_gemms: str = ""      # gemma4opt.linear's picks so far (this process)
+    decode_experts: str = ""    # gemma4opt.moe_experts' picks so far (this process)
 
     def row(self, pattern: str) -> PatternRow:
         return next(r for r in self.rows if r.pattern == pattern)
@@ -54,6 +55,8 @@ class Report:
         lines.append(f"  generate stop check: {self.stop_check}")
         if self.decode_gemms:
             lines.append(f"  decode GEMMs (gemma4opt.linear): {self.decode_gemms}")
+        if self.decode_experts:
+            lines.append(f"  decode MoE experts (gemma4opt.moe_experts): {self.decode_experts}")
         if self.fallbacks:
             lines.append("  fallbacks (calls): " + ", ".join(f"{k}: {v}" for k, v in self.fallbacks.items()))
         if self.rows:
@@ -103,7 +106,8 @@ def build_report(model) -> Report:
     return Report(state.model_class, state.scope, state.disabled_reason, state.graphs_compiled,
                   state.compiled_calls, state.graphed_calls, dict(state.fallbacks), rows, attention,
                   state.graph_captures, state.graph_warmups, state.stop_check, dict(state.graph_key_changes),
-                  _decode_gemms() if "decode_linear" in state.stats else "")
+                  _decode_gemms() if "decode_linear" in state.stats else "",
+                  _decode_experts() if state.stats.get("moe_experts") and state.stats["moe_experts"].expected else "")
 
 
 def _decode_gemms() -> str:
@@ -118,6 +122,20 @@ def _decode_gemms() -> str:
     failed = failures()
     if failed:
         text += f"; the Triton GEMM failed on {len(failed)} shapes (cuBLAS there): {next(iter(failed.values()))}"
+    return text
+
+
+def _decode_experts() -> str:
+    from gemma4opt.ops.moe_experts import failures, picks
+
+    got = picks()
+    if not got:
+        return "no decode shape timed yet (HF's experts path until one is)"
+    text = (f"gemma4opt's decode kernels on {sum(got.values())} of {len(got)} shapes timed "
+            f"(tokens {sorted({k[0] for k in got})}), HF's grouped path on the rest")
+    failed = failures()
+    if failed:
+        text += f"; the kernels failed on {len(failed)} shapes (HF's path there): {next(iter(failed.values()))}"
     return text
 
 

@@ -9,7 +9,7 @@ matters. ``paged_only`` patterns run only with attention="paged".
 from __future__ import annotations
 
 PATTERN_NAMES = ("rms_norm", "merged_projections", "norm_rope", "paged_qkv", "gelu_tanh_mul", "residual_norm",
-                 "moe_router", "logit_softcap", "decode_linear")
+                 "moe_router", "moe_experts", "logit_softcap", "decode_linear")
 
 
 def build_patterns() -> dict:
@@ -17,6 +17,7 @@ def build_patterns() -> dict:
     from .gelu_tanh_mul import GeluTanhMulPattern
     from .logit_softcap import LogitSoftcapPattern
     from .merged_projections import MergedProjectionsPattern
+    from .moe_experts import MoeExpertsPattern
     from .moe_router import MoeRouterPattern
     from .norm_rope import NormRopePattern
     from .paged_qkv import PagedQKVPattern
@@ -24,6 +25,6 @@ def build_patterns() -> dict:
     from .rms_norm import RMSNormPattern
 
     patterns = [RMSNormPattern(), MergedProjectionsPattern(), NormRopePattern(), PagedQKVPattern(), GeluTanhMulPattern(),
-                ResidualNormPattern(), MoeRouterPattern(), LogitSoftcapPattern(), DecodeLinearPattern()]
+                ResidualNormPattern(), MoeRouterPattern(), MoeExpertsPattern(), LogitSoftcapPattern(), DecodeLinearPattern()]
     assert tuple(p.name for p in patterns) == PATTERN_NAMES
     return {p.name: p for p in patterns}

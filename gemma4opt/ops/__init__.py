@@ -4,6 +4,7 @@ from gemma4opt.ops import (  # noqa: F401
     gelu_tanh_mul,
     linear,
     linear_softcap,
+    moe_experts,
     moe_router,
     paged_attention,
     qkv_norm_rope_append,

@@ -11,7 +11,8 @@ NEEDS = {"norm_rope": ["rms_norm"], "residual_norm": ["rms_norm"], "moe_router":
          "gelu_tanh_mul": ["merged_projections"]}
 # Ops of the fused blocks that must not survive the pass.
 GONE = {"gelu_tanh_mul": ["gelu"], "norm_rope": ["neg"], "logit_softcap": ["tanh"],
-        "moe_router": ["topk", "softmax", "itruediv"], "residual_norm": ["imul"]}
+        "moe_router": ["topk", "softmax", "itruediv"], "residual_norm": ["imul"],
+        "moe_experts": ["sort", "histc", "cumsum", "grouped_mm", "_grouped_mm", "grouped_mm_fallback"]}
 
 
 def _run(variant, names):

@@ -1,0 +1,120 @@
+"""Triton MoE experts for decode: each (token, chosen expert) pair's gate/up GEMV with gelu·mul,
+then per token the down GEMVs of its k experts, weighted and summed. Two launches per layer.
+
+Why: HF's grouped experts path (sort, gather, histc, cumsum, two grouped GEMMs, gelu, scatter,
+sum: ~20 kernels per layer) is built for many tokens per expert. At decode a token has k experts
+and most experts see no token, so the work is k weight streams per token: here each program
+streams rows of one expert's weights straight from its slot in the stacked parameters, as the
+skinny GEMM does for one row (kernels/skinny_linear.py).
+
+Rounding follows HF's path: gate/up and down outputs rounded to the model dtype (grouped GEMM
+outputs), gelu's output rounded before the multiply (``act_fn(gate) * up``), each expert's output
+times its fp32 routing weight in fp32, summed over the k experts in fp32, rounded once at the end.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from gemma4opt.kernels.gelu_tanh_mul import _tanh
+
+MAX_PAIRS = 64          # (token, expert) pairs per call: decode (8 tokens of top-8); more -> HF's path
+
+
+# Triton's interpreter (CPU tests) takes no runtime loop bound: there the K loop is a while loop.
+_COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
+
+
+@triton.jit
+def _rowsum_tile(acc, A, w_rows, k0, K, nmask, BLOCK_K: tl.constexpr):
+    k = k0 + tl.arange(0, BLOCK_K)
+    kmask = k < K
+    a = tl.load(A + k, mask=kmask, other=0.0).to(tl.float32)
+    w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+    return acc + tl.sum(w * a[None, :], 1)
+
+
+@triton.jit
+def _rowsum(A, w_rows, K, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr):
+    """fp32 W[rows, :K] . a[:K] for BLOCK_N rows."""
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    if COMPILED:
+        for k0 in range(0, K, BLOCK_K):
+            acc = _rowsum_tile(acc, A, w_rows, k0, K, nmask, BLOCK_K)
+    else:
+        k0 = 0
+        while k0 < K:
+            acc = _rowsum_tile(acc, A, w_rows, k0, K, nmask, BLOCK_K)
+            k0 += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _gate_up_kernel(X, IDX, GU, ACT, H, I, sxt, sge, sgn,
+                    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr):
+    """ACT[p, n] = gelu_tanh(x[t] . GU[e, n]) * (x[t] . GU[e, I + n]) for pair p = t * TOPK + j."""
+    p = tl.program_id(0)
+    t = p // TOPK
+    e = tl.load(IDX + p).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < I
+    g_rows = GU + e * sge + n.to(tl.int64)[:, None] * sgn
+    x = X + t.to(tl.int64) * sxt
+    dt = ACT.dtype.element_ty
+    g = _rowsum(x, g_rows, H, nmask, BLOCK_N, BLOCK_K, COMPILED).to(dt).to(tl.float32)
+    u = _rowsum(x, g_rows + I * sgn, H, nmask, BLOCK_N, BLOCK_K, COMPILED).to(dt).to(tl.float32)
+    inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    act = (0.5 * g * (1.0 + _tanh(inner))).to(dt).to(tl.float32)
+    tl.store(ACT + p.to(tl.int64) * I + n, (act * u).to(dt), mask=nmask)
+
+
+@triton.jit
+def _down_kernel(ACT, IDX, WT, D, OUT, H, I, sde, sdn,
+                 TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr):
+    """OUT[t, n] = sum over j of round(ACT[p] . D[e_p, n]) * WT[p], p = t * TOPK + j, in j order."""
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < H
+    dt = OUT.dtype.element_ty
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(TOPK):
+        p = t * TOPK + j
+        e = tl.load(IDX + p).to(tl.int64)
+        wt = tl.load(WT + p).to(tl.float32)
+        rows = D + e * sde + n.to(tl.int64)[:, None] * sdn
+        acc = _rowsum(ACT + p.to(tl.int64) * I, rows, I, nmask, BLOCK_N, BLOCK_K, COMPILED)
+        total += acc.to(dt).to(tl.float32) * wt
+    tl.store(OUT + t.to(tl.int64) * H + n, total.to(dt), mask=nmask)
+
+
+def moe_experts_triton(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                       gate_up: torch.Tensor, down: torch.Tensor, block_n: int = 8, block_k: int = 512) -> torch.Tensor:
+    """x [T, H], top_k_index / top_k_weights [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H]."""
+    T, H = x.shape
+    k = top_k_index.shape[-1]
+    E, two_i, _ = gate_up.shape
+    I = two_i // 2
+    if T * k > MAX_PAIRS:
+        raise ValueError(f"gemma4opt moe_experts: {T} tokens x top-{k} = {T * k} pairs, at most {MAX_PAIRS} "
+                         f"(decode); use the grouped path")
+    if gate_up.shape[2] != H or tuple(down.shape) != (E, H, I) or gate_up.stride(2) != 1 or down.stride(2) != 1:
+        raise ValueError(f"gemma4opt moe_experts: gate_up {tuple(gate_up.shape)} / down {tuple(down.shape)} do not "
+                         f"match x [T, {H}] as [E, 2I, H] / [E, H, I] with unit stride on the last dim")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    idx = top_k_index.reshape(-1).contiguous()
+    wt = top_k_weights.reshape(-1).contiguous()
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
+    bk_up, bk_down = min(block_k, triton.next_power_of_2(H)), min(block_k, triton.next_power_of_2(I))
+    _gate_up_kernel[(T * k, triton.cdiv(I, block_n))](
+        x, idx, gate_up, act, H, I, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        TOPK=k, BLOCK_N=block_n, BLOCK_K=bk_up, COMPILED=_COMPILED)
+    _down_kernel[(T, triton.cdiv(H, block_n))](
+        act, idx, wt, down, out, H, I, down.stride(0), down.stride(1),
+        TOPK=k, BLOCK_N=block_n, BLOCK_K=bk_down, COMPILED=_COMPILED)
+    return out

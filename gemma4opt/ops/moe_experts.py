@@ -1,0 +1,96 @@
+"""gemma4opt::moe_experts — one Gemma-4 MoE experts block: ``experts(x, top_k_index, top_k_weights)``.
+
+Everywhere but CUDA decode it runs the model's own experts module (HF's experts implementation,
+grouped GEMMs by default), so prefill and CPU results are exactly HF's. On CUDA with at most
+``MAX_PAIRS`` (token, expert) pairs, each shape runs whichever of gemma4opt's two-kernel decode path
+(kernels/moe_experts.py) and HF's path timed faster on its first call, outside graph capture, and
+only if its output matched HF's there (ops/pick.py; the same rule as ``gemma4opt.linear``).
+
+The module is found through ``module_key`` (a registry of weak references): a custom op takes
+tensors and numbers, not modules, and the weights are passed as tensors too so the graph shows
+what the op reads.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from gemma4opt.ops.pick import bench_cold, check_close, pick_faster
+
+MARGIN = 0.98
+_MODULES: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
+_PICKS: dict[tuple, bool] = {}      # (tokens, k, experts, I, H, dtype, device index) -> the Triton path
+_FAILED: dict[tuple, str] = {}
+
+
+def register_experts(module: torch.nn.Module) -> int:
+    """The key ``gemma4opt.moe_experts`` finds this experts module by (kept weakly)."""
+    _MODULES[id(module)] = module
+    return id(module)
+
+
+def _module(key: int) -> torch.nn.Module:
+    m = _MODULES.get(key)
+    if m is None:
+        raise RuntimeError("gemma4opt.moe_experts: its experts module is gone (the model was freed?)")
+    return m
+
+
+@torch.library.custom_op("gemma4opt::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor, module_key: int) -> torch.Tensor:
+    return _module(module_key)(x, top_k_index, top_k_weights)
+
+
+@moe_experts.register_fake
+def _(x, top_k_index, top_k_weights, gate_up, down, module_key):
+    return torch.empty_like(x)
+
+
+def moe_experts_reference(x, top_k_index, top_k_weights, gate_up, down):
+    """Plain torch, pair by pair (the kernels' test oracle; small shapes only): HF's roundings
+    (GEMM outputs and gelu's output in the model dtype, routing weights and the sum over k in fp32)."""
+    T, k = top_k_index.shape
+    I = gate_up.shape[1] // 2
+    out = torch.zeros(T, k, x.shape[1], dtype=torch.float32, device=x.device)
+    for t in range(T):
+        for j in range(k):
+            e = int(top_k_index[t, j])
+            gu = F.linear(x[t:t + 1], gate_up[e])
+            act = F.gelu(gu[:, :I], approximate="tanh") * gu[:, I:]
+            out[t, j] = (F.linear(act, down[e]) * top_k_weights[t, j].float())[0]
+    return out.sum(dim=1).to(x.dtype)
+
+
+def picks() -> dict[tuple, bool]:
+    return dict(_PICKS)
+
+
+def failures() -> dict[tuple, str]:
+    return dict(_FAILED)
+
+
+def _time_both(x, idx, w, gate_up, down, module) -> tuple[float, float]:
+    from gemma4opt.kernels.moe_experts import moe_experts_triton
+
+    check_close(moe_experts_triton(x, idx, w, gate_up, down), module(x, idx, w),
+                what="gemma4opt's decode experts", other="HF's experts path")
+    return (bench_cold(lambda: moe_experts_triton(x, idx, w, gate_up, down)),
+            bench_cold(lambda: module(x, idx, w)))
+
+
+@moe_experts.register_kernel("cuda")
+def _(x, top_k_index, top_k_weights, gate_up, down, module_key):
+    from gemma4opt.kernels.moe_experts import MAX_PAIRS
+
+    module = _module(module_key)
+    if x.dim() == 2 and 0 < top_k_index.numel() <= MAX_PAIRS and gate_up.stride(-1) == 1 and down.stride(-1) == 1:
+        key = (x.shape[0], top_k_index.shape[-1], *gate_up.shape[:2], x.shape[1], x.dtype, x.device.index)
+        if pick_faster(_PICKS, _FAILED, key, lambda: _time_both(x, top_k_index, top_k_weights, gate_up, down, module),
+                       MARGIN):
+            from gemma4opt.kernels.moe_experts import moe_experts_triton
+
+            return moe_experts_triton(x, top_k_index, top_k_weights, gate_up, down)
+    return module(x, top_k_index, top_k_weights)

@@ -1,0 +1,106 @@
+"""Gemma-4 MoE experts (HF's grouped path) → ``gemma4opt.moe_experts``.
+
+Unfused (one Gemma4TextExperts, transformers' ``grouped_mm`` experts implementation)::
+
+    ids, perm = sort(top_k_index.reshape(-1)); xs = x[perm // k]; ws = top_k_weights.reshape(-1)[perm]
+    offs = cumsum(histc(ids, E))                              # tokens per expert
+    gu = grouped_mm(xs, gate_up_proj^T, offs); h = gelu_tanh(gu[:, :I]) * gu[:, I:]   # or gelu_tanh_mul
+    y = grouped_mm(h, down_proj^T, offs) * ws[:, None]        # (+ masked_fill of sentinel rows)
+    out = y[inverse(perm)].view(T, k, H).sum(1).to(x.dtype)
+
+Fused::
+
+    out = gemma4opt.moe_experts(x, top_k_index, top_k_weights, gate_up_proj, down_proj, key)
+
+``key`` finds the experts module again: the op runs that module (HF's own path) everywhere but
+CUDA decode, where each shape runs whichever of gemma4opt's two decode kernels and HF's path
+timed faster (ops/moe_experts.py). One match per MoE layer. Left unfused, with the reason, when
+the experts are not the concatenated [gate; up], untransposed, bias-free, gelu-tanh layout the
+kernels read, or the region is not HF's grouped path (e.g. the eager per-expert loop).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
+from gemma4opt.compiler.regions import op_name, regions_of_type, resolve_module
+
+_GROUPED = ("grouped_mm", "_grouped_mm", "grouped_mm_fallback")
+
+
+def _value(node):
+    v = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+class MoeExpertsPattern(Pattern):
+    name = "moe_experts"
+    summary = "MoE experts (HF grouped path) -> gemma4opt.moe_experts (decode kernels or HF's path per shape)"
+
+    def expected(self, cfg, scope):
+        return cfg.num_hidden_layers if cfg.enable_moe_block else 0
+
+    def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        from gemma4opt.ops.moe_experts import register_experts
+
+        res = PassResult()
+        for region in regions_of_type(gm.graph, "Gemma4TextExperts", subtree=True):
+            experts = resolve_module(ctx.root, region.path)
+            m, why = self._match(region, experts)
+            if m is None:
+                res.unfused.append(f"{region.path}: {why}")
+                continue
+            graph, out = gm.graph, m["out"]
+            with graph.inserting_before(out):
+                fused = graph.call_function(torch.ops.gemma4opt.moe_experts.default,
+                                            (*m["args"], register_experts(experts)))
+            fused.meta = dict(out.meta)
+            out.replace_all_uses_with(fused)
+            for n in reversed(region.nodes):
+                if not n.users:
+                    graph.erase_node(n)
+            res.matched += 1
+        return res
+
+    @staticmethod
+    def _match(region, experts):
+        layout = dict(has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True)
+        off = [f"{k}={getattr(experts, k, None)}" for k, v in layout.items() if getattr(experts, k, None) != v]
+        if off:
+            return None, f"experts layout {', '.join(off)} (the kernels read [gate; up] rows, no bias)"
+        counts = region.op_counts()
+        # The activation: HF's gelu, or gemma4opt.gelu_tanh_mul where that pattern fused it already.
+        acts = counts["gelu"] + counts["gelu_tanh_mul.default"]
+        if sum(counts[g] for g in _GROUPED) != 2 or counts["sort"] != 1 or acts != 1:
+            return None, f"not HF's grouped experts path: {dict(counts)}"
+        gelu = region.by_op("gelu")
+        if gelu and gelu[0].kwargs.get("approximate", gelu[0].args[1] if len(gelu[0].args) > 1 else "none") != "tanh":
+            return None, "activation is not gelu(approximate='tanh')"
+        # Tensors in and out; with dynamic shapes the region also reads and yields size arithmetic
+        # (SymInts other layers share), which stays in the graph for whoever uses it.
+        outs = [o for o in region.outputs() if _value(o) is not None]
+        if len(outs) != 1:
+            return None, f"{len(outs)} tensor outputs, expected 1"
+        inside = region.node_set
+        ext = list(dict.fromkeys(a for n in region.nodes for a in n.all_input_nodes if a not in inside))
+        vals = {a: _value(a) for a in ext if _value(a) is not None}
+        if any(not isinstance(a.meta.get("example_value"), (torch.SymInt, int)) for a in ext if a not in vals):
+            return None, "an input that is neither a tensor nor a size"
+        ext = list(vals)
+        # The stacked weights by shape: gate_up [E, 2I, H] and down [E, H, I].
+        three = [a for a, v in vals.items() if v.dim() == 3]
+        gate_up = [a for a in three for b in three if a is not b and vals[a].shape[1] == 2 * vals[b].shape[2]
+                   and vals[a].shape[2] == vals[b].shape[1]]
+        down = [b for b in three if gate_up and b is not gate_up[0]]
+        index = [a for a, v in vals.items() if v.dim() == 2 and not v.is_floating_point()]
+        floats2 = [a for a, v in vals.items() if v.dim() == 2 and v.is_floating_point()]
+        if not (len(gate_up) == len(down) == len(index) == 1 and len(floats2) == 2 and len(ext) == 5):
+            return None, f"inputs not (x, top_k_index, top_k_weights, gate_up_proj, down_proj): {[a.name for a in ext]}"
+        E, two_i, H = vals[gate_up[0]].shape
+        k = vals[index[0]].shape[1]
+        x = [a for a in floats2 if vals[a].shape[1] == H and vals[a].shape[1] != k]
+        w = [a for a in floats2 if a not in x]
+        if len(x) != 1 or len(w) != 1 or tuple(vals[down[0]].shape) != (E, H, two_i // 2):
+            return None, "input shapes do not fit [T, H] x [E, 2I, H] / [E, H, I] experts"
+        return dict(out=outs[0], args=(x[0], index[0], w[0], gate_up[0], down[0])), ""

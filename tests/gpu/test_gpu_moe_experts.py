@@ -1,0 +1,41 @@
+"""On the GPU machine: gemma4opt's decode experts kernels at the 26b-a4b's real dimensions against
+the oracle, and the op against HF's experts module whichever path each shape picked."""
+import pytest
+import torch
+
+from gemma4opt.kernels.moe_experts import moe_experts_triton
+from gemma4opt.ops import moe_experts as moe_op
+from gemma4opt.presets import preset_config
+
+pytestmark = pytest.mark.gpu
+
+
+def _experts_module(E=128, I=704, H=2816):
+    cfg = preset_config("26b-a4b")
+    assert (cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size) == (E, I, H)
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
+
+    cfg._experts_implementation = "grouped_mm"
+    m = Gemma4TextExperts(cfg).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        m.gate_up_proj.normal_(0, H ** -0.5)
+        m.down_proj.normal_(0, I ** -0.5)
+    return m, cfg.top_k_experts
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_kernels_and_op_match_hf_at_real_dims(tokens):
+    m, k = _experts_module()
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, m.hidden_dim, device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(m.num_experts, device="cuda", generator=g)[:k] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, k, device="cuda", generator=g), -1)
+    with torch.no_grad():
+        want = m(x, idx, w).float()
+        got = moe_experts_triton(x, idx, w, m.gate_up_proj, m.down_proj).float()
+        ref = moe_op.moe_experts_reference(x, idx, w, m.gate_up_proj, m.down_proj).float()
+        op = torch.ops.gemma4opt.moe_experts(x, idx, w, m.gate_up_proj, m.down_proj, moe_op.register_experts(m))
+    for out in (got, ref, op.float()):
+        torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    key = (tokens, k, m.num_experts, 2 * m.intermediate_dim, m.hidden_dim, torch.bfloat16, x.device.index)
+    assert key in moe_op.picks() and key not in moe_op.failures()

@@ -1,0 +1,50 @@
+import pytest
+import torch
+
+from gemma4opt.kernels.moe_experts import MAX_PAIRS, moe_experts_triton
+from gemma4opt.ops.moe_experts import moe_experts_reference
+from tests.kernels.conftest import DEVICE, DTYPES, close
+
+
+def _case(T, k, E, I, H, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype).to(DEVICE)
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(dtype).to(DEVICE)
+    down = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(dtype).to(DEVICE)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEVICE)
+    w = torch.softmax(torch.randn(T, k, generator=g), -1).to(DEVICE)      # fp32, as HF's router gives
+    return x, idx, w, gate_up, down
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,k,E,I,H", [(1, 2, 5, 24, 40), (3, 4, 6, 17, 33), (8, 8, 9, 12, 70)])
+def test_matches_reference(dtype, T, k, E, I, H):
+    """Odd widths (not multiples of the tiles), several tokens sharing experts, fp32 routing weights."""
+    x, idx, w, gate_up, down = _case(T, k, E, I, H, dtype, seed=T * 100 + k)
+    close(moe_experts_triton(x, idx, w, gate_up, down, block_n=8, block_k=16),
+          moe_experts_reference(x, idx, w, gate_up, down), dtype)
+
+
+def test_strided_token_rows_and_expert_slices():
+    """x as a column slice of a wider buffer; the experts' stacked weights as slices of bigger stacks."""
+    x, idx, w, gate_up, down = _case(2, 2, 4, 8, 16, torch.float32, seed=7)
+    wide = torch.randn(2, 40, device=DEVICE)
+    wide[:, 5:21] = x
+    big_gu = torch.randn(6, 16, 16, device=DEVICE)
+    big_gu[1:5] = gate_up
+    close(moe_experts_triton(wide[:, 5:21], idx, w, big_gu[1:5], down, block_n=4, block_k=8),
+          moe_experts_reference(x, idx, w, gate_up, down), torch.float32)
+
+
+def test_refuses_prefill_sizes_and_mismatched_weights():
+    x, idx, w, gate_up, down = _case(1, 2, 4, 8, 16, torch.float32, seed=1)
+    many = MAX_PAIRS // 2 + 1
+    with pytest.raises(ValueError, match="at most 64"):
+        moe_experts_triton(x.expand(many, -1), idx.expand(many, -1), w.expand(many, -1), gate_up, down)
+    with pytest.raises(ValueError, match="do not match"):
+        moe_experts_triton(x, idx, w, gate_up, down.transpose(1, 2))
+
+
+def test_no_tokens():
+    x, idx, w, gate_up, down = _case(1, 2, 4, 8, 16, torch.float32, seed=2)
+    assert moe_experts_triton(x[:0], idx[:0], w[:0], gate_up, down).shape == (0, 16)
