@@ -48,3 +48,9 @@ def test_refuses_prefill_sizes_and_mismatched_weights():
 def test_no_tokens():
     x, idx, w, gate_up, down = _case(1, 2, 4, 8, 16, torch.float32, seed=2)
     assert moe_experts_triton(x[:0], idx[:0], w[:0], gate_up, down).shape == (0, 16)
+
+
+def test_k_tiles_pad_little():
+    from gemma4opt.kernels.moe_experts import _block_k
+
+    assert _block_k(2816, 512) == 512 and _block_k(704, 512) == 256 and _block_k(40, 16) == 16
