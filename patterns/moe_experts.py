@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
-from gemma4opt.compiler.regions import op_name, regions_of_type, resolve_module
+from gemma4opt.compiler.regions import erase_region, regions_of_type, replace_output, resolve_module
 
 _GROUPED = ("grouped_mm", "_grouped_mm", "grouped_mm_fallback")
 
@@ -51,15 +51,9 @@ class MoeExpertsPattern(Pattern):
             if m is None:
                 res.unfused.append(f"{region.path}: {why}")
                 continue
-            graph, out = gm.graph, m["out"]
-            with graph.inserting_before(out):
-                fused = graph.call_function(torch.ops.gemma4opt.moe_experts.default,
-                                            (*m["args"], register_experts(experts)))
-            fused.meta = dict(out.meta)
-            out.replace_all_uses_with(fused)
-            for n in reversed(region.nodes):
-                if not n.users:
-                    graph.erase_node(n)
+            replace_output(gm.graph, m["out"], torch.ops.gemma4opt.moe_experts.default,
+                           (*m["args"], register_experts(experts)))
+            erase_region(gm.graph, region.nodes, keep_used=True)
             res.matched += 1
         return res
 

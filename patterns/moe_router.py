@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
-from gemma4opt.compiler.regions import op_name, regions_of_type, resolve_module, scalar_operand
+from gemma4opt.compiler.regions import erase_region, op_name, regions_of_type, resolve_module, scalar_operand
 
 _OPS = collections.Counter({"rms_norm.default": 1, "mul": 3, "linear": 1, "softmax": 1, "topk": 1,
                             "getitem": 3, "sum": 1, "itruediv": 1})
@@ -49,9 +49,7 @@ class MoeRouterPattern(Pattern):
             for node, new in ((m["weights"], outs[1]), (m["index"], outs[2])):
                 new.meta = dict(node.meta)
                 node.replace_all_uses_with(new)
-            for n in reversed(region.nodes):
-                if not n.users:
-                    graph.erase_node(n)
+            erase_region(graph, region.nodes, keep_used=True)
             res.matched += 1
         return res
 

@@ -121,10 +121,13 @@ def drop_dead_views(graph: fx.Graph) -> int:
     return dead
 
 
-def erase_region(graph: fx.Graph, nodes: list[fx.Node]) -> None:
-    """Erase nodes (all users must be inside ``nodes`` or already rewired)."""
+def erase_region(graph: fx.Graph, nodes: list[fx.Node], keep_used: bool = False) -> None:
+    """Erase nodes (all users must be inside ``nodes`` or already rewired; with ``keep_used``,
+    nodes something outside still reads, such as size arithmetic other layers share, stay)."""
     for n in reversed(nodes):
         if n.users:
+            if keep_used:
+                continue
             raise RuntimeError(f"gemma4opt: cannot erase {n.format_node()}: still used by {list(n.users)}")
         graph.erase_node(n)
 
