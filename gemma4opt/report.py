@@ -110,33 +110,32 @@ def build_report(model) -> Report:
                   _decode_experts() if state.stats.get("moe_experts") and state.stats["moe_experts"].expected else "")
 
 
-def _decode_gemms() -> str:
-    from gemma4opt.ops.linear import failures, picks
-
-    got = picks()
+def _picks_line(op, kernel: str, other: str, unit: str, untimed: str) -> str:
+    """One report line for an op that picks per shape (ops/pick.py): how many shapes run the
+    Triton ``kernel`` and how many ``other``, by the shape's first entry (``unit``)."""
+    got = op.picks()
     if not got:
-        return "no shape of <= 32 rows timed yet (cuBLAS until one is)"
-    rows = sorted({k[0] for k in got})
-    text = (f"the skinny Triton GEMM on {sum(got.values())} of {len(got)} shapes timed (rows {rows}), "
-            f"cuBLAS on the rest")
-    failed = failures()
+        return untimed
+    text = (f"{kernel} on {sum(got.values())} of {len(got)} shapes timed ({unit} {sorted({k[0] for k in got})}), "
+            f"{other} on the rest")
+    failed = op.failures()
     if failed:
-        text += f"; the Triton GEMM failed on {len(failed)} shapes (cuBLAS there): {next(iter(failed.values()))}"
+        text += f"; it failed on {len(failed)} shapes ({other} there): {next(iter(failed.values()))}"
     return text
+
+
+def _decode_gemms() -> str:
+    from gemma4opt.ops import linear
+
+    return _picks_line(linear, "the skinny Triton GEMM", "cuBLAS", "rows",
+                       "no shape of <= 32 rows timed yet (cuBLAS until one is)")
 
 
 def _decode_experts() -> str:
-    from gemma4opt.ops.moe_experts import failures, picks
+    from gemma4opt.ops import moe_experts
 
-    got = picks()
-    if not got:
-        return "no decode shape timed yet (HF's experts path until one is)"
-    text = (f"gemma4opt's decode kernels on {sum(got.values())} of {len(got)} shapes timed "
-            f"(tokens {sorted({k[0] for k in got})}), HF's grouped path on the rest")
-    failed = failures()
-    if failed:
-        text += f"; the kernels failed on {len(failed)} shapes (HF's path there): {next(iter(failed.values()))}"
-    return text
+    return _picks_line(moe_experts, "gemma4opt's decode kernels", "HF's grouped path", "tokens",
+                       "no decode shape timed yet (HF's experts path until one is)")
 
 
 def report(model, print_table: bool = True) -> Report:

@@ -4,8 +4,8 @@ then per token the down GEMVs of its k experts, weighted and summed. Two launche
 Why: HF's grouped experts path (sort, gather, histc, cumsum, two grouped GEMMs, gelu, scatter,
 sum: ~20 kernels per layer) is built for many tokens per expert. At decode a token has k experts
 and most experts see no token, so the work is k weight streams per token: here each program
-streams rows of one expert's weights straight from its slot in the stacked parameters, as the
-skinny GEMM does for one row (kernels/skinny_linear.py).
+streams rows of one expert's weights straight from its slot in the stacked parameters, with the
+skinny GEMM's one-row tile (kernels/skinny_linear.py).
 
 Rounding follows HF's path: gate/up and down outputs rounded to the model dtype (grouped GEMM
 outputs), gelu's output rounded before the multiply (``act_fn(gate) * up``), each expert's output
@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from gemma4opt.kernels.gelu_tanh_mul import _tanh
+from gemma4opt.kernels.skinny_linear import row_dot_tile
 
 MAX_PAIRS = 64          # (token, expert) pairs per call: decode (8 tokens of top-8); more -> HF's path
 
@@ -29,25 +30,16 @@ _COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @triton.jit
-def _rowsum_tile(acc, A, w_rows, k0, K, nmask, BLOCK_K: tl.constexpr):
-    k = k0 + tl.arange(0, BLOCK_K)
-    kmask = k < K
-    a = tl.load(A + k, mask=kmask, other=0.0).to(tl.float32)
-    w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-    return acc + tl.sum(w * a[None, :], 1)
-
-
-@triton.jit
 def _rowsum(A, w_rows, K, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr):
     """fp32 W[rows, :K] . a[:K] for BLOCK_N rows."""
     acc = tl.zeros([BLOCK_N], tl.float32)
     if COMPILED:
         for k0 in range(0, K, BLOCK_K):
-            acc = _rowsum_tile(acc, A, w_rows, k0, K, nmask, BLOCK_K)
+            acc = row_dot_tile(acc, A, w_rows, k0, K, nmask, BLOCK_K)
     else:
         k0 = 0
         while k0 < K:
-            acc = _rowsum_tile(acc, A, w_rows, k0, K, nmask, BLOCK_K)
+            acc = row_dot_tile(acc, A, w_rows, k0, K, nmask, BLOCK_K)
             k0 += BLOCK_K
     return acc
 

@@ -37,30 +37,40 @@ _INTERPRETER_SPLIT = 2      # the one config the interpreter runs for 2+ rows (t
 
 
 @triton.jit
+def row_dot_tile(acc, A, w_rows, k0, K, nmask, BLOCK_K: tl.constexpr):
+    """acc[i] += W[row i, k0:k0+BLOCK_K] . a[k0:k0+BLOCK_K] in fp32: one row against many (one
+    decode row here; each (token, expert) pair in kernels/moe_experts.py)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    kmask = k < K
+    w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+    a = tl.load(A + k, mask=kmask, other=0.0)
+    return acc + tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], 1)
+
+
+@triton.jit
 def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm,
             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, IEEE: tl.constexpr,
             SWAP: tl.constexpr):
     """acc += x[:, k0:k0+BLOCK_K] @ W[rows, k0:k0+BLOCK_K]^T (SWAP: its transpose, W rows as the
     dot's M side, so a 64+ row W tile can take Hopper's warpgroup MMA with the few x rows as N)."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    kmask = k < K
-    w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+    # One return, at the end (no early return inside a constexpr if).
     if BLOCK_M == 1:
-        x = tl.load(X + k, mask=kmask, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+        acc = row_dot_tile(acc, X, w_rows, k0, K, nmask, BLOCK_K)
     else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         x = tl.load(X + m[:, None] * sxm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         if not COMPILED:
             x, w = x.to(tl.float32), w.to(tl.float32)
         if SWAP:
-            if IEEE:    # fp32 models: exact products (Triton's fp32 dot default is TF32)
-                acc += tl.dot(w, tl.trans(x), input_precision="ieee")
-            else:
-                acc += tl.dot(w, tl.trans(x))
-        elif IEEE:
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            a, b = w, tl.trans(x)
         else:
-            acc += tl.dot(x, tl.trans(w))
+            a, b = x, tl.trans(w)
+        if IEEE:    # fp32 models: exact products (Triton's fp32 dot default is TF32)
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
     return acc
 
 
@@ -97,18 +107,15 @@ def _skinny_kernel(X, W, Y, P, M, N, K, sxm, swn, sym,
             k0 += BLOCK_K
     if BLOCK_M == 1:
         tl.store(Y + n, acc.to(Y.dtype.element_ty), mask=nmask)
-    elif SWAP and SPLIT_K == 1:
-        tl.store(Y + m[None, :] * sym + n[:, None], acc.to(Y.dtype.element_ty),
-                 mask=mmask[None, :] & nmask[:, None])
-    elif SWAP:
-        tl.store(P + (sk * M + m[None, :]).to(tl.int64) * N + n[:, None], acc,
-                 mask=mmask[None, :] & nmask[:, None])
-    elif SPLIT_K == 1:
-        tl.store(Y + m[:, None] * sym + n[None, :], acc.to(Y.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
-    else:           # fp32 partial of split sk: P[sk, m, n], contiguous [SPLIT_K, M, N]
-        tl.store(P + (sk * M + m[:, None]).to(tl.int64) * N + n[None, :], acc,
-                 mask=mmask[:, None] & nmask[None, :])
+    else:
+        if SWAP:        # acc is [BLOCK_N, BLOCK_M]
+            mo, no = m[None, :], n[:, None]
+        else:
+            mo, no = m[:, None], n[None, :]
+        if SPLIT_K == 1:
+            tl.store(Y + mo * sym + no, acc.to(Y.dtype.element_ty), mask=(mo < M) & (no < N))
+        else:           # fp32 partial of split sk: P[sk, m, n], contiguous [SPLIT_K, M, N]
+            tl.store(P + (sk * M + mo).to(tl.int64) * N + no, acc, mask=(mo < M) & (no < N))
 
 
 @triton.jit
