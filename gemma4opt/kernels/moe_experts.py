@@ -13,25 +13,20 @@ times its fp32 routing weight in fp32, summed over the k experts in fp32, rounde
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from gemma4opt.kernels.gelu_tanh_mul import _tanh
-from gemma4opt.kernels.skinny_linear import row_dot_tile
+from gemma4opt.kernels.skinny_linear import _COMPILED, row_dot_tile
 
 MAX_PAIRS = 64          # (token, expert) pairs per call: decode (8 tokens of top-8); more -> HF's path
 
 
-# Triton's interpreter (CPU tests) takes no runtime loop bound: there the K loop is a while loop.
-_COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
-
-
 @triton.jit
 def _rowsum(A, w_rows, K, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr):
-    """fp32 W[rows, :K] . a[:K] for BLOCK_N rows."""
+    """fp32 W[rows, :K] . a[:K] for BLOCK_N rows (a while loop in Triton's interpreter, which
+    takes no runtime loop bound)."""
     acc = tl.zeros([BLOCK_N], tl.float32)
     if COMPILED:
         for k0 in range(0, K, BLOCK_K):
