@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gemma4opt  # noqa: E402
+from gemma4opt.kernels._util import PDL_DEFAULT, set_pdl  # noqa: E402
 from gemma4opt.patterns import PATTERN_NAMES  # noqa: E402
 from gemma4opt.presets import ALL_PRESETS, build_model  # noqa: E402
 from roofline import copy_bandwidth, kv_bytes_per_step, weight_bytes_per_step  # noqa: E402
@@ -72,7 +73,9 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-inductor": dict(inductor=True),
                      "gemma4opt-paged-auto": dict(attention="paged", decode_kernel="auto"),
                      # Every decode GEMM on cuBLAS (no decode_linear): the skinny Triton GEMM's share.
                      "gemma4opt-paged-cublas": dict(attention="paged", patterns=tuple(
-                         p for p in PATTERN_NAMES if p != "decode_linear"))}
+                         p for p in PATTERN_NAMES if p != "decode_linear")),
+                     # Every gemma4opt kernel launched plainly: programmatic dependent launch's share.
+                     "gemma4opt-paged-nopdl": dict(attention="paged", pdl=False)}
 
 
 HEADER = (f"{'batch':>5} {'system':>18} {'warm-up s':>9} {'TTFT ms':>9} {'ms/step':>9} {'tok/s':>9} "
@@ -105,6 +108,7 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         # optimize() changes the instance: when other systems still follow, optimize a copy.
         sys_model = model if i == len(args.systems) - 1 else copy.deepcopy(model)
         opts = dict(GEMMA4OPT_SYSTEMS[system])
+        set_pdl(opts.pop("pdl", PDL_DEFAULT))      # read at each launch: off for this system's whole run
         if opts.get("attention") == "paged":     # a pool for exactly this run's batches and lengths
             opts.update(max_batch_size=max(args.batch), max_seq_len=args.prompt + args.new + 16)
         gemma4opt.optimize(sys_model, gemma4opt.Gemma4OptConfig(**opts))
@@ -123,6 +127,7 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         rows.append(row)
     if system in GEMMA4OPT_SYSTEMS:
         gemma4opt.report(sys_model)
+        set_pdl(PDL_DEFAULT)
     if sys_model is not model or system == "static_compile":
         # Its copy of the weights, its KV pool or static cache and its CUDA graphs stay reachable
         # from Dynamo's caches until reset (at batch 128 x prompt 2048 the next system's prefill ran

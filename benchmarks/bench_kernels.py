@@ -17,10 +17,14 @@ import os
 import sys
 
 import torch
+import triton
+import triton.language as tl
 import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gemma4opt  # noqa: E402,F401
+from gemma4opt.kernels import _util  # noqa: E402
+from gemma4opt.kernels._util import pdl_prologue  # noqa: E402
 from gemma4opt.kernels.add_rms_norm import add_rms_norm_triton  # noqa: E402
 from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_mul_triton  # noqa: E402
 from gemma4opt.kernels.moe_router import router_topk_triton  # noqa: E402
@@ -213,6 +217,26 @@ def sweep_linear(args):
                     out.flush()
 
 
+@triton.jit
+def _empty_kernel(X, PDL: tl.constexpr):
+    pdl_prologue(PDL)
+
+
+def launch_floor() -> dict:
+    """The time of a kernel that does nothing, replayed back to back in a CUDA graph, with and
+    without programmatic dependent launch: no kernel of a chain can take less. A kernel that is at
+    this floor cannot be made faster, only removed."""
+    x = torch.empty(1, device="cuda")
+    out = {}
+    for pdl in (True, False):
+        _util.set_pdl(pdl)
+        fn = lambda: _empty_kernel[(1,)](x, **_util.pdl_flags(x))  # noqa: E731
+        fn()
+        out["pdl" if pdl else "plain"] = triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
+    _util.set_pdl(True)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", nargs="+", default=["31b", "e4b", "26b-a4b"])
@@ -230,10 +254,12 @@ def main(argv=None):
     if args.sweep_norm_rope:
         return sweep_norm_rope(args)
     bw = copy_bandwidth("cuda")
-    print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s  dtype {DT}")
-    print(f"{'preset':>8} {'M':>5} {'op':>28} {'triton us':>10} {'inductor us':>11} {'speedup':>8} "
+    floor = launch_floor()
+    print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s  dtype {DT}  empty kernel "
+          f"{floor['plain']:.2f} us ({floor['pdl']:.2f} with PDL)")
+    print(f"{'preset':>8} {'M':>5} {'op':>28} {'triton us':>10} {'no PDL':>7} {'inductor us':>11} {'speedup':>8} "
           f"{'GB/s':>7} {'of copy bw':>10}")
-    rows = []
+    rows = [dict(op="empty kernel (launch floor)", triton_us=floor["pdl"], triton_no_pdl_us=floor["plain"])]
     torch._dynamo.config.recompile_limit = 256
     for preset in args.presets:
         cfg = preset_config(preset)
@@ -246,9 +272,13 @@ def main(argv=None):
                 torch.cuda.synchronize()
                 # Timed as CUDA-graph replays, as decode runs them: no Python launch overhead.
                 t_fused = triton.testing.do_bench_cudagraph(lambda: fn(*fargs), rep=50) * 1e3
+                _util.set_pdl(False)        # the same kernel launched plainly (a recompile: PDL is constexpr)
+                fn(*fargs)
+                t_plain = triton.testing.do_bench_cudagraph(lambda: fn(*fargs), rep=50) * 1e3
+                _util.set_pdl(True)
                 t_ind = triton.testing.do_bench_cudagraph(lambda: compiled(*fargs), rep=50) * 1e3
                 gbs = nbytes / (t_fused * 1e-6) / 1e9
-                row = dict(preset=preset, M=M, op=name, triton_us=t_fused, inductor_us=t_ind,
+                row = dict(preset=preset, M=M, op=name, triton_us=t_fused, triton_no_pdl_us=t_plain, inductor_us=t_ind,
                            speedup=t_ind / t_fused, gb_s=gbs, frac_copy_bw=gbs * 1e9 / bw)
                 tuned = ""
                 if args.linear:     # the tile (and split) the autotuner kept for this shape
@@ -256,7 +286,7 @@ def main(argv=None):
 
                     row["config"] = tuned = str(_tuned.best_config)
                 rows.append(row)
-                print(f"{preset:>8} {M:>5} {name:>28} {t_fused:>10.2f} {t_ind:>11.2f} {row['speedup']:>7.2f}x "
+                print(f"{preset:>8} {M:>5} {name:>28} {t_fused:>10.2f} {t_plain:>7.2f} {t_ind:>11.2f} {row['speedup']:>7.2f}x "
                       f"{gbs:>7.0f} {row['frac_copy_bw']:>9.0%}  {tuned}")
     if args.json:
         with open(args.json, "w") as f:

@@ -14,7 +14,8 @@
 # genfinalab: issue 5's table plus gemma4opt without decode_linear (same run); linear / lintest: the
 # skinny decode GEMM against cuBLAS, and its tests; linsweep: every tile of it at 32 rows; normsweep: q/k
 # prep launch configs; moetest: the decode MoE experts kernels compiled and against HF at the 26b-a4b's
-# dimensions (then gen26b for the end-to-end effect).
+# dimensions (then gen26b for the end-to-end effect); ktests: tests/kernels compiled; genpdl: genfinal plus
+# gemma4opt with programmatic dependent launch off.
 # A fresh machine JIT-compiles FlashInfer (~2 min for the 31b's configs): keep stages that share
 # configs in one call, or in calls back to back while the machine is warm.
 set -o pipefail
@@ -43,7 +44,7 @@ for s in "$@"; do
             --systems gemma4opt eager static_compile --json "$OUT/gen.jsonl" ;;
     paged) MAX_JOBS=16 stage paged 480 $PYTEST -s tests/gpu/test_gpu_paged.py ;;  # JIT: ~30 s per kernel config
     plan) stage plan 120 python3 benchmarks/bench_plan.py --device cuda ;;
-    kernels) stage kernels 240 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" ;;
+    kernels) stage kernels 330 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" ;;
     realdims) stage realdims 200 $PYTEST -s tests/gpu/test_gpu_generate.py -k "real_dims" ;;
     profile) stage profile 150 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 ;;
     profile32) stage profile32 150 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --batch 32 ;;
@@ -109,6 +110,9 @@ for s in "$@"; do
     gen32ab) stage gen32ab 320 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 32 --repeats 5 \
             --systems gemma4opt-paged static_compile gemma4opt-paged-cublas --json "$OUT/gen.jsonl" ;;  # batch 32, best of 5
     moetest) stage moetest 150 $PYTEST tests/kernels/test_moe_experts_kernel.py tests/gpu/test_gpu_moe_experts.py ;;
+    ktests) stage ktests 300 $PYTEST tests/kernels ;;     # every kernel test compiled on the GPU (PDL chain included)
+    genpdl) stage genpdl 470 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 128 \
+            --systems gemma4opt-paged static_compile eager gemma4opt-paged-nopdl --json "$OUT/gen.jsonl" ;;  # + PDL off
     lintest) stage lintest 150 $PYTEST tests/kernels/test_skinny_linear_kernel.py tests/gpu/test_gpu_linear.py ;;
     gene4b32) stage gene4b32 260 python3 benchmarks/bench_generate.py --preset e4b --batch 32 \
             --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;

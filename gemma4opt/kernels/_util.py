@@ -1,8 +1,47 @@
 """Small helpers shared by the Triton launchers."""
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
+import triton.language as tl
+
+# Programmatic dependent launch (Hopper+): a kernel launched with it may be scheduled while the
+# kernel before it is still finishing; it waits (griddepcontrol.wait) before touching memory, so
+# results are unchanged and only the launch gap between back-to-back kernels is hidden. Decode
+# steps are chains of ~1-3 us kernels where that gap is a large part of each kernel's time.
+# GEMMA4OPT_PDL=0 turns it off (A/B runs); set_pdl() does the same in-process (benchmarks).
+PDL_DEFAULT = os.environ.get("GEMMA4OPT_PDL", "1") != "0"
+_PDL = {"on": PDL_DEFAULT}
+
+
+def set_pdl(on: bool) -> None:
+    _PDL["on"] = bool(on)
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(index: int) -> bool:
+    return os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_flags(t: torch.Tensor) -> dict:
+    """Launch keywords for a kernel that starts with ``pdl_prologue(PDL)``, for tensors on t's device."""
+    if _PDL["on"] and t.is_cuda and _pdl_capable(t.device.index if t.device.index is not None
+                                                  else torch.cuda.current_device()):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    # Before any load or store: the previous kernel's writes become visible here, and it may still
+    # be reading what this kernel overwrites until then. Dependents are let in at once: they too
+    # wait here, so it only overlaps their launch with this kernel.
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def rows_view(x: torch.Tensor) -> torch.Tensor:

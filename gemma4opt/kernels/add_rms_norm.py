@@ -9,12 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels._util import row_launch, rows_view
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue, row_launch, rows_view
 
 
 @triton.jit
 def _add_rms_norm_kernel(X, R, W1, SCALE, W2, S, N, sx, sr, ss, sn, D, eps1, eps2,
-                         HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -47,6 +48,6 @@ def add_rms_norm_triton(x, residual, weight, eps, scale, next_weight, next_eps):
         _add_rms_norm_kernel[(s.shape[0],)](
             x2, r2, weight, scale if scale is not None else weight, next_weight, s, n,
             x2.stride(0), r2.stride(0), s.stride(0), n.stride(0), D, eps, next_eps,
-            HAS_SCALE=scale is not None, BLOCK=block, num_warps=warps,
+            HAS_SCALE=scale is not None, BLOCK=block, num_warps=warps, **pdl_flags(s),
         )
     return s.view(x.shape), n.view(x.shape)

@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue
+
 _BLOCK = 1024
 
 
@@ -26,7 +28,8 @@ def _tanh(x):
 
 
 @triton.jit
-def _gelu_tanh_mul_kernel(G, U, O, sg, su, so, D, BLOCK: tl.constexpr):
+def _gelu_tanh_mul_kernel(G, U, O, sg, su, so, D, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
@@ -47,5 +50,5 @@ def gelu_tanh_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         block, warps = _block(D)
         grid = (out.shape[0], triton.cdiv(D, block))
         _gelu_tanh_mul_kernel[grid](g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), D, BLOCK=block,
-                                    num_warps=warps)
+                                    num_warps=warps, **pdl_flags(out))
     return out.view(gate.shape)

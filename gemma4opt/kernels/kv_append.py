@@ -10,12 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels._util import row_launch
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue, row_launch
 
 
 @triton.jit
 def _kv_append_kernel(K, V, KV, TOKEN_INDEX, SLOTS, T, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-                      s_page, s_kv, s_slot, s_head, PAGE_SIZE, D, BLOCK: tl.constexpr):
+                      s_page, s_kv, s_slot, s_head, PAGE_SIZE, D, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     i = tl.program_id(0)                   # the i-th real token of the step
     h = tl.program_id(1)                   # kv head
     src = tl.load(TOKEN_INDEX + i).to(tl.int64)      # row in the flattened [B * T] step
@@ -45,4 +46,4 @@ def kv_append_triton(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_ma
     _kv_append_kernel[(n, heads)](
         k, v, kv, token_index, slot_mapping, k.shape[1], k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-        kv.shape[2], d, BLOCK=block, num_warps=min(warps, 4))
+        kv.shape[2], d, BLOCK=block, num_warps=min(warps, 4), **pdl_flags(kv))

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue
 from gemma4opt.kernels.gelu_tanh_mul import _tanh
 from gemma4opt.kernels.skinny_linear import _COMPILED, row_dot_tile
 
@@ -41,8 +42,10 @@ def _rowsum(A, w_rows, K, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, C
 
 @triton.jit
 def _gate_up_kernel(X, IDX, GU, ACT, H, I, sxt, sge, sgn,
-                    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr):
+                    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr,
+                    PDL: tl.constexpr):
     """ACT[p, n] = gelu_tanh(x[t] . GU[e, n]) * (x[t] . GU[e, I + n]) for pair p = t * TOPK + j."""
+    pdl_prologue(PDL)
     p = tl.program_id(0)
     t = p // TOPK
     e = tl.load(IDX + p).to(tl.int64)
@@ -60,8 +63,10 @@ def _gate_up_kernel(X, IDX, GU, ACT, H, I, sxt, sge, sgn,
 
 @triton.jit
 def _down_kernel(ACT, IDX, WT, D, OUT, H, I, sde, sdn,
-                 TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr):
+                 TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr,
+                 PDL: tl.constexpr):
     """OUT[t, n] = sum over j of round(ACT[p] . D[e_p, n]) * WT[p], p = t * TOPK + j, in j order."""
+    pdl_prologue(PDL)
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
@@ -108,9 +113,9 @@ def moe_experts_triton(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(T * k, triton.cdiv(I, block_n))](
         x, idx, gate_up, act, H, I, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        TOPK=k, BLOCK_N=block_n, BLOCK_K=_block_k(H, block_k), COMPILED=_COMPILED)
+        TOPK=k, BLOCK_N=block_n, BLOCK_K=_block_k(H, block_k), COMPILED=_COMPILED, **pdl_flags(x))
     # Half the rows per program for down: one program per H-block of a token (not per pair).
     _down_kernel[(T, triton.cdiv(H, max(block_n // 2, 1)))](
         act, idx, wt, down, out, H, I, down.stride(0), down.stride(1),
-        TOPK=k, BLOCK_N=max(block_n // 2, 1), BLOCK_K=_block_k(I, block_k), COMPILED=_COMPILED)
+        TOPK=k, BLOCK_N=max(block_n // 2, 1), BLOCK_K=_block_k(I, block_k), COMPILED=_COMPILED, **pdl_flags(x))
     return out

@@ -9,9 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue
+
 
 @triton.jit
-def _router_kernel(L, PES, P, TW, TI, sl, E, K: tl.constexpr, BLOCK: tl.constexpr):
+def _router_kernel(L, PES, P, TW, TI, sl, E, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < E
@@ -45,5 +48,5 @@ def router_topk_triton(expert_logits: torch.Tensor, per_expert_scale: torch.Tens
     if T:
         logits = expert_logits if expert_logits.stride(-1) == 1 else expert_logits.contiguous()
         _router_kernel[(T,)](logits, per_expert_scale, probs, tw, ti, logits.stride(0), E, K=k,
-                             BLOCK=triton.next_power_of_2(E))
+                             BLOCK=triton.next_power_of_2(E), **pdl_flags(probs))
     return probs, tw, ti

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue
+
 MAX_SPLITS = 64
 # Triton's interpreter (CPU tests) cannot take loaded values as range() bounds and multiplies
 # bf16 tiles as raw integers: there the loop is a while loop and tiles are multiplied in fp32.
@@ -69,7 +71,8 @@ def _decode_split_kernel(Q, KV, TABLE, LENS, O, OP, LSE,
                          sl_b, sl_h, window, scale,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
                          BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, COMPILED: tl.constexpr,
-                         IEEE: tl.constexpr):
+                         IEEE: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -112,7 +115,8 @@ def _decode_split_kernel(Q, KV, TABLE, LENS, O, OP, LSE,
 
 @triton.jit
 def _merge_kernel(OP, LSE, O, sp_b, sp_h, sp_s, sl_b, sl_h, so_b, so_h,
-                  NSPLIT: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+                  NSPLIT: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     # One program per (row, head, BLOCK_D columns), every split's partial loaded at once: a loop
     # over splits would wait on one load after another (64 round trips at a batch of one).
     b = tl.program_id(0).to(tl.int64)
@@ -180,10 +184,12 @@ def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, 
         table.shape[1], out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1), window, scale,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, PS=ps, BLOCK_N=cfg["block_n"], NSPLIT=n,
-        COMPILED=_COMPILED, IEEE=q.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        COMPILED=_COMPILED, IEEE=q.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_flags(out))
     if n > 1:
         block_d = min(D, 64)
         _merge_kernel[(B, H, D // block_d)](part, lse, out, part.stride(0), part.stride(1), part.stride(2),
                                             lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-                                            NSPLIT=n, S_PAD=triton.next_power_of_2(n), BLOCK_D=block_d, num_warps=2)
+                                            NSPLIT=n, S_PAD=triton.next_power_of_2(n), BLOCK_D=block_d, num_warps=2,
+                                            **pdl_flags(out))
     return out

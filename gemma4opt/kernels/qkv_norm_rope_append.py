@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue
 from gemma4opt.kernels.rms_norm_rope import expand_cos_sin, head_block, norm_rope_store, norm_rope_tile
 
 
@@ -18,7 +19,8 @@ from gemma4opt.kernels.rms_norm_rope import expand_cos_sin, head_block, norm_rop
 def _qkv_norm_rope_append_kernel(
         Q, WQ, K, WK, V, C, Sn, QO, KV, TOKEN_INDEX, SLOTS, S, HQ, HK, NQ_PROGRAMS, QBLOCKS, KBLOCKS,
         sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, scb, scs, ssb, sss,
-        s_page, s_kv, s_slot, s_head, PAGE_SIZE, D, HALF, eps, HB: tl.constexpr, BLOCK: tl.constexpr):
+        s_page, s_kv, s_slot, s_head, PAGE_SIZE, D, HALF, eps, HB: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     cmask = cols < HALF
@@ -71,5 +73,5 @@ def qkv_norm_rope_append_triton(kv, q, q_weight, k, k_weight, v, cos, sin, eps, 
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), kv.shape[2], D, D // 2, eps,
-        HB=hb, BLOCK=block, num_warps=warps)
+        HB=hb, BLOCK=block, num_warps=warps, **pdl_flags(out))
     return out

@@ -5,11 +5,13 @@ import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels._util import row_launch, rows_view
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue, row_launch, rows_view
 
 
 @triton.jit
-def _rms_norm_kernel(X, W, Y, stride_x, stride_y, D, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(X, W, Y, stride_x, stride_y, D, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -32,6 +34,6 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) ->
         block, warps = row_launch(D, rows)
         _rms_norm_kernel[(rows,)](
             x2, weight if weight is not None else x2, y, x2.stride(0), y.stride(0), D, eps,
-            HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=warps,
+            HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=warps, **pdl_flags(x2),
         )
     return y.view(x.shape)

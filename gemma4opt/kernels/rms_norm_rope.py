@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue
+
 
 @triton.jit
 def norm_rope_tile(xp, sxh, W, cb, sb, heads, cols, hmask, cmask, HALF, D, eps, dt):
@@ -49,7 +51,8 @@ def norm_rope_store(xp, sxh, W, cb, sb, O, tok, H, heads, cols, hmask, cmask, HA
 
 @triton.jit
 def _rms_norm_rope_kernel(X, W, C, Sn, O, H, S, sxb, sxs, sxh, scb, scs, ssb, sss, D, HALF, eps,
-                          HB: tl.constexpr, BLOCK: tl.constexpr):
+                          HB: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)          # b * S + s
     hblk = tl.program_id(1)
     s = tok % S
@@ -96,6 +99,6 @@ def rms_norm_rope_triton(x, weight, cos, sin, eps):
         _rms_norm_rope_kernel[(B * S, triton.cdiv(H, hb))](
             x, weight, cos, sin, out, H, S, x.stride(0), x.stride(1), x.stride(2),
             cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), D, D // 2, eps,
-            HB=hb, BLOCK=block, num_warps=warps,
+            HB=hb, BLOCK=block, num_warps=warps, **pdl_flags(out),
         )
     return out

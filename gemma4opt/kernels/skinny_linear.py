@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from gemma4opt.kernels._util import rows_view
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue, rows_view
 
 MAX_ROWS = 32
 # Triton's interpreter (CPU tests) multiplies bf16 dot tiles as raw integers, takes no runtime
@@ -77,7 +77,8 @@ def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm,
 @triton.jit
 def _skinny_kernel(X, W, Y, P, M, N, K, sxm, swn, sym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                   COMPILED: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr = False):
+                   COMPILED: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     w_rows = W + n.to(tl.int64)[:, None] * swn
@@ -119,8 +120,9 @@ def _skinny_kernel(X, W, Y, P, M, N, K, sxm, swn, sym,
 
 
 @triton.jit
-def _split_sum_kernel(P, Y, M, N, sym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _split_sum_kernel(P, Y, M, N, sym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Y[m, n] = sum over splits of P[s, m, n], in split order."""
+    pdl_prologue(PDL)
     m = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     nmask = n < N
@@ -172,7 +174,7 @@ def _sum_splits(nargs, exception=None):
     if exception is None and nargs["SPLIT_K"] > 1:
         M, N, y = nargs["M"], nargs["N"], nargs["Y"]
         _split_sum_kernel[(M, triton.cdiv(N, 512))](nargs["P"], y, M, N, y.stride(0), SPLIT_K=nargs["SPLIT_K"],
-                                                     BLOCK=512)
+                                                     BLOCK=512, **pdl_flags(y))
 
 
 _tuned = triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M"], do_bench=_bench, post_hook=_sum_splits,
@@ -198,7 +200,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | N
         # Room for the most splits any config may take; a config with fewer uses the first ones.
         part = torch.empty(MAX_SPLIT * M * N if bm > 1 else 1, dtype=torch.float32, device=x.device)
         args = (x2, weight, y, part, M, N, K, x2.stride(0), weight.stride(0), y.stride(0))
-        flags = dict(BLOCK_M=bm, COMPILED=_COMPILED, IEEE=x.dtype == torch.float32)
+        flags = dict(BLOCK_M=bm, COMPILED=_COMPILED, IEEE=x.dtype == torch.float32, **pdl_flags(y))
         if config is None and not _COMPILED:
             bn, split = (4, 1) if bm == 1 else (16, _INTERPRETER_SPLIT)
             config = dict(BLOCK_N=bn, BLOCK_K=32, SPLIT_K=split)

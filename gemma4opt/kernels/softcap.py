@@ -5,13 +5,15 @@ import torch
 import triton
 import triton.language as tl
 
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue
 from gemma4opt.kernels.gelu_tanh_mul import _tanh
 
 _BLOCK = 2048
 
 
 @triton.jit
-def _softcap_kernel(X, N, cap, BLOCK: tl.constexpr):
+def _softcap_kernel(X, N, cap, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     dt = X.dtype.element_ty
@@ -25,5 +27,5 @@ def softcap_(x: torch.Tensor, cap: float) -> torch.Tensor:
     assert x.is_contiguous()
     n = x.numel()
     if n:
-        _softcap_kernel[(triton.cdiv(n, _BLOCK),)](x, n, cap, BLOCK=_BLOCK)
+        _softcap_kernel[(triton.cdiv(n, _BLOCK),)](x, n, cap, BLOCK=_BLOCK, **pdl_flags(x))
     return x
