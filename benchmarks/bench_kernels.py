@@ -35,6 +35,7 @@ from gemma4opt.kernels.skinny_linear import skinny_linear_triton  # noqa: E402
 from gemma4opt.kernels.softcap import softcap_  # noqa: E402
 from gemma4opt.ops.add_rms_norm import add_rms_norm_reference  # noqa: E402
 from gemma4opt.ops.gelu_tanh_mul import gelu_tanh_mul_reference  # noqa: E402
+from gemma4opt.ops.linear_softcap import linear_softcap_reference  # noqa: E402
 from gemma4opt.ops.rms_norm import rms_norm_reference  # noqa: E402
 from gemma4opt.ops.qkv_norm_rope_append import qkv_norm_rope_append_reference  # noqa: E402
 from gemma4opt.ops.rms_norm_rope import rms_norm_rope_reference  # noqa: E402
@@ -120,6 +121,11 @@ def cases(cfg, M):
         logits = torch.randn(M, cfg.vocab_size, device="cuda", dtype=DT)
         out.append(("softcap (lm_head epilogue)", lambda t, c: softcap_(t, c),
                     lambda t, c: torch.tanh(t / c) * c, (logits, 30.0), _nbytes(logits, logits)))
+    if M <= 32:     # decode: the lm_head GEMM with the softcap as its epilogue (ops/linear_softcap.py)
+        h = torch.randn(M, H, device="cuda", dtype=DT)
+        w_lm = torch.randn(cfg.vocab_size, H, device="cuda", dtype=DT) / H ** 0.5
+        out.append(("lm_head + softcap", torch.ops.gemma4opt.linear_softcap.default, linear_softcap_reference,
+                    (h, w_lm, 30.0), _nbytes(h, w_lm) + M * cfg.vocab_size * 2))
     if cfg.enable_moe_block:
         logits = torch.randn(M, cfg.num_experts, device="cuda", dtype=DT)
         pes = torch.randn(cfg.num_experts, device="cuda", dtype=DT)

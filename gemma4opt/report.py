@@ -127,8 +127,14 @@ def _picks_line(op, kernel: str, other: str, unit: str, untimed: str) -> str:
 def _decode_gemms() -> str:
     from gemma4opt.ops import linear
 
-    return _picks_line(linear, "the skinny Triton GEMM", "cuBLAS", "rows",
+    from gemma4opt.ops import linear_softcap
+
+    text = _picks_line(linear, "the skinny Triton GEMM", "cuBLAS", "rows",
                        "no shape of <= 32 rows timed yet (cuBLAS until one is)")
+    if linear_softcap.picks():
+        text += "; lm_head + softcap: " + _picks_line(linear_softcap, "the skinny GEMM with the softcap epilogue",
+                                                       "cuBLAS + the softcap kernel", "rows", "")
+    return text
 
 
 def _decode_experts() -> str:

@@ -27,6 +27,7 @@ import triton.language as tl
 import triton.testing
 
 from gemma4opt.kernels._util import pdl_flags, pdl_prologue, rows_view
+from gemma4opt.kernels.gelu_tanh_mul import _tanh
 
 MAX_ROWS = 32
 # Triton's interpreter (CPU tests) multiplies bf16 dot tiles as raw integers, takes no runtime
@@ -75,9 +76,21 @@ def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm,
 
 
 @triton.jit
+def _out(acc, dt, CAP: tl.constexpr):
+    """The GEMM's output in dt; with CAP > 0 the logit softcap tanh(y / CAP) * CAP on it, rounded
+    where HF's eager code rounds (the bf16 logits, then after /, tanh and *)."""
+    if CAP > 0:
+        y = acc.to(dt).to(tl.float32)
+        t = _tanh((y / CAP).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        acc = t * CAP
+    return acc.to(dt)
+
+
+@triton.jit
 def _skinny_kernel(X, W, Y, P, M, N, K, sxm, swn, sym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                   COMPILED: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False):
+                   COMPILED: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
+                   CAP: tl.constexpr = 0.0):
     pdl_prologue(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
@@ -107,20 +120,21 @@ def _skinny_kernel(X, W, Y, P, M, N, K, sxm, swn, sym,
             acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, IEEE, SWAP)
             k0 += BLOCK_K
     if BLOCK_M == 1:
-        tl.store(Y + n, acc.to(Y.dtype.element_ty), mask=nmask)
+        tl.store(Y + n, _out(acc, Y.dtype.element_ty, CAP), mask=nmask)
     else:
         if SWAP:        # acc is [BLOCK_N, BLOCK_M]
             mo, no = m[None, :], n[:, None]
         else:
             mo, no = m[:, None], n[None, :]
         if SPLIT_K == 1:
-            tl.store(Y + mo * sym + no, acc.to(Y.dtype.element_ty), mask=(mo < M) & (no < N))
+            tl.store(Y + mo * sym + no, _out(acc, Y.dtype.element_ty, CAP), mask=(mo < M) & (no < N))
         else:           # fp32 partial of split sk: P[sk, m, n], contiguous [SPLIT_K, M, N]
             tl.store(P + (sk * M + mo).to(tl.int64) * N + no, acc, mask=(mo < M) & (no < N))
 
 
 @triton.jit
-def _split_sum_kernel(P, Y, M, N, sym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _split_sum_kernel(P, Y, M, N, sym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                      CAP: tl.constexpr):
     """Y[m, n] = sum over splits of P[s, m, n], in split order."""
     pdl_prologue(PDL)
     m = tl.program_id(0)
@@ -129,7 +143,7 @@ def _split_sum_kernel(P, Y, M, N, sym, SPLIT_K: tl.constexpr, BLOCK: tl.constexp
     acc = tl.zeros([BLOCK], tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(P + (s * M + m).to(tl.int64) * N + n, mask=nmask, other=0.0)
-    tl.store(Y + m * sym + n, acc.to(Y.dtype.element_ty), mask=nmask)
+    tl.store(Y + m * sym + n, _out(acc, Y.dtype.element_ty, CAP), mask=nmask)
 
 
 # (BLOCK_N, BLOCK_K, warps, splits, stages, SWAP). One row: few W rows per program (many programs,
@@ -174,15 +188,17 @@ def _sum_splits(nargs, exception=None):
     if exception is None and nargs["SPLIT_K"] > 1:
         M, N, y = nargs["M"], nargs["N"], nargs["Y"]
         _split_sum_kernel[(M, triton.cdiv(N, 512))](nargs["P"], y, M, N, y.stride(0), SPLIT_K=nargs["SPLIT_K"],
-                                                     BLOCK=512, **pdl_flags(y))
+                                                     BLOCK=512, CAP=nargs.get("CAP", 0.0), **pdl_flags(y))
 
 
 _tuned = triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M"], do_bench=_bench, post_hook=_sum_splits,
                          prune_configs_by={"early_config_prune": _keep})(_skinny_kernel)
 
 
-def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """x [..., K] with at most MAX_ROWS rows in all, weight [N, K] (unit stride along K) -> [..., N].
+def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None,
+                         cap: float | None = None) -> torch.Tensor:
+    """x [..., K] with at most MAX_ROWS rows in all, weight [N, K] (unit stride along K) -> [..., N];
+    with ``cap``, the logit softcap tanh(y / cap) * cap applied as the GEMM's epilogue (lm_head).
 
     ``config`` runs one tile instead of the autotuned one (benchmark sweeps, tests): BLOCK_N,
     BLOCK_K, and optionally SPLIT_K, SWAP, num_warps, num_stages."""
@@ -200,7 +216,8 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | N
         # Room for the most splits any config may take; a config with fewer uses the first ones.
         part = torch.empty(MAX_SPLIT * M * N if bm > 1 else 1, dtype=torch.float32, device=x.device)
         args = (x2, weight, y, part, M, N, K, x2.stride(0), weight.stride(0), y.stride(0))
-        flags = dict(BLOCK_M=bm, COMPILED=_COMPILED, IEEE=x.dtype == torch.float32, **pdl_flags(y))
+        flags = dict(BLOCK_M=bm, COMPILED=_COMPILED, IEEE=x.dtype == torch.float32, CAP=float(cap or 0.0),
+                     **pdl_flags(y))
         if config is None and not _COMPILED:
             bn, split = (4, 1) if bm == 1 else (16, _INTERPRETER_SPLIT)
             config = dict(BLOCK_N=bn, BLOCK_K=32, SPLIT_K=split)
@@ -215,5 +232,5 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | N
                                  f"SWAP needs 2+ rows)")
             meta.update(SPLIT_K=split)
             _skinny_kernel[(triton.cdiv(N, meta["BLOCK_N"]), split)](*args, **meta, **flags)
-        _sum_splits(dict(P=part, Y=y, M=M, N=N, SPLIT_K=split))
+        _sum_splits(dict(P=part, Y=y, M=M, N=N, SPLIT_K=split, CAP=flags["CAP"]))
     return y.view(*x.shape[:-1], N)

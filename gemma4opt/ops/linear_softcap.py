@@ -1,11 +1,23 @@
-"""gemma4opt::linear_softcap — lm_head GEMM with the logit softcap applied to its output in place.
+"""gemma4opt::linear_softcap — lm_head GEMM with the logit softcap applied to its output.
 
     logits = tanh(linear(x, weight) / cap) * cap
+
+On CUDA with at most ``MAX_ROWS`` rows (decode) each shape runs whichever was faster on its first
+call (ops/pick.py, as ``gemma4opt.linear``): the skinny Triton GEMM with the softcap as its
+epilogue (one kernel, the logits written once), or cuBLAS then the softcap kernel in place on its
+output. More rows (prefill): cuBLAS then the softcap kernel.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from gemma4opt.ops.pick import bench_cold, check_close, pick_faster
+
+MAX_ROWS = 32
+MARGIN = 0.98
+_PICKS: dict[tuple, bool] = {}      # (rows, N, K, dtype, device index) -> the Triton GEMM + epilogue
+_FAILED: dict[tuple, str] = {}
 
 
 @torch.library.custom_op("gemma4opt::linear_softcap", mutates_args=())
@@ -17,13 +29,41 @@ def linear_softcap_reference(x, weight, cap):
     return torch.tanh(F.linear(x, weight) / cap) * cap
 
 
+def picks() -> dict[tuple, bool]:
+    return dict(_PICKS)
+
+
+def failures() -> dict[tuple, str]:
+    return dict(_FAILED)
+
+
 @linear_softcap.register_fake
 def _(x, weight, cap):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-@linear_softcap.register_kernel("cuda")
-def _(x, weight, cap):
+def _cublas_softcap(x, weight, cap):
     from gemma4opt.kernels.softcap import softcap_
 
     return softcap_(F.linear(x, weight).contiguous(), cap)
+
+
+def _time_both(x, weight, cap) -> tuple[float, float]:
+    from gemma4opt.kernels.skinny_linear import skinny_linear_triton
+
+    check_close(skinny_linear_triton(x, weight, cap=cap), _cublas_softcap(x, weight, cap),
+                what="skinny Triton GEMM + softcap", other="cuBLAS + softcap")
+    return (bench_cold(lambda: skinny_linear_triton(x, weight, cap=cap)),
+            bench_cold(lambda: _cublas_softcap(x, weight, cap)))
+
+
+@linear_softcap.register_kernel("cuda")
+def _(x, weight, cap):
+    rows = x.numel() // max(x.shape[-1], 1)
+    if 0 < rows <= MAX_ROWS and weight.stride(-1) == 1:
+        key = (rows, weight.shape[0], weight.shape[1], x.dtype, x.device.index)
+        if pick_faster(_PICKS, _FAILED, key, lambda: _time_both(x, weight, cap), MARGIN):
+            from gemma4opt.kernels.skinny_linear import skinny_linear_triton
+
+            return skinny_linear_triton(x, weight, cap=cap)
+    return _cublas_softcap(x, weight, cap)

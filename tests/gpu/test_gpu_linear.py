@@ -22,3 +22,20 @@ def test_linear_op_equals_f_linear(rows, n, k):
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-2)
     key = (rows, n, k, torch.bfloat16, x.device.index)
     assert (key in linear_op.picks()) == (rows <= linear_op.MAX_ROWS)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 32, 40])
+def test_linear_softcap_op_equals_reference(rows):
+    """The lm_head + softcap at a real vocabulary (e4b's hidden size), whichever path the shape picked."""
+    from gemma4opt.ops import linear_softcap as ls
+
+    torch.manual_seed(rows)
+    n, k = 262144, 2560
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda") * 12 / k ** 0.5).to(torch.bfloat16)    # logits of ~12: the cap bends them
+    got = torch.ops.gemma4opt.linear_softcap(x, w, 30.0)
+    want = ls.linear_softcap_reference(x.float(), w.float(), 30.0)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=0.1)
+    assert ((rows, n, k, torch.bfloat16, 0) in ls.picks()) == (rows <= ls.MAX_ROWS)
+    assert not ls.failures()

@@ -80,3 +80,25 @@ def test_explicit_tile_refuses_what_it_cannot_run():
         skinny_linear_triton(x, w, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=8))
     with pytest.raises(ValueError, match="SWAP needs 2"):
         skinny_linear_triton(x[:1], w, dict(BLOCK_N=16, BLOCK_K=32, SWAP=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("rows,n,k", [(1, 37, 50), (3, 41, 70), (MAX_ROWS, 9, 33)])
+def test_softcap_epilogue_matches_linear_then_softcap(monkeypatch, dtype, split, rows, n, k):
+    """The lm_head's GEMM with the softcap in its store (and in the split sum's, split K)."""
+    import gemma4opt.kernels.skinny_linear as sl
+    from gemma4opt.ops.linear_softcap import linear_softcap_reference
+
+    monkeypatch.setattr(sl, "_INTERPRETER_SPLIT", split)
+    g = torch.Generator().manual_seed(rows * 7 + n)
+    x = torch.randn(rows, k, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) * 4).to(dtype).to(DEVICE)    # logits past the cap: tanh saturates
+    got = skinny_linear_triton(x, w, cap=30.0)
+    want = linear_softcap_reference(x, w, 30.0)
+    if dtype == torch.bfloat16:     # logits of 8-32: a GEMM sum order off by one bf16 ulp is 0.06-0.125, x3 roundings
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.03, atol=0.4)
+    else:
+        close(got, want, dtype)
+    assert got.abs().max() <= 30.0 and (want.abs() > 20).any()      # the cap is applied, and it matters
+    assert not torch.allclose(skinny_linear_triton(x, w).float(), want.float(), rtol=0.02, atol=0.02)
