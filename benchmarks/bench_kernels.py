@@ -3,6 +3,7 @@
     python benchmarks/bench_kernels.py [--presets 31b e4b] [--m 1 32 256 8192]
     python benchmarks/bench_kernels.py --linear --presets 31b --m 1 8 32   # decode GEMMs vs cuBLAS
     python benchmarks/bench_kernels.py --sweep-norm-rope --presets 31b     # q/k prep launch configs
+    python benchmarks/bench_kernels.py --sweep gelu --m 1 32 256            # gelu.mul (or softcap) launches
     python benchmarks/bench_kernels.py --sweep-linear --presets 31b --m 32  # skinny GEMM tiles vs cuBLAS
 
 For decode (M = 1, 32, 256 tokens) and prefill (M = 8192) shapes of the presets: time per call
@@ -134,31 +135,43 @@ def cases(cfg, M):
     return out
 
 
-def sweep_norm_rope(args):
-    """Per q/k prep case: the default launch's time, then the fastest (heads per program, warps)
-    found, each replayed in a CUDA graph; the data for retuning ``head_block``. Rows are written as
-    JSON lines as they come (the first sweep outlasted its time limit before writing any)."""
+def _sweeps():
+    """--sweep-X -> (which cases, the module whose LAUNCH_OVERRIDE is forced, the overrides)."""
+    from gemma4opt.kernels import gelu_tanh_mul as gm
     from gemma4opt.kernels import rms_norm_rope as nr
+    from gemma4opt.kernels import softcap as sc
 
+    return {"norm_rope": (lambda n: "norm_rope" in n, nr,
+                          [dict(hb=hb, warps=w) for hb in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8)]),
+            "gelu": (lambda n: n == "gelu_tanh_mul", gm,
+                     [dict(block=b, warps=w) for b in (256, 512, 1024, 2048, 4096) for w in (1, 2, 4, 8)]),
+            "softcap": (lambda n: n.startswith("softcap"), sc,
+                        [dict(block=b, warps=w) for b in (512, 1024, 2048, 4096, 8192) for w in (2, 4, 8, 16)])}
+
+
+def sweep(args, kind):
+    """Per case of the kind: the default launch's time, then the fastest override found, each
+    replayed in a CUDA graph; the data for retuning the kernel's launch heuristic. Rows are written
+    as JSON lines as they come (a sweep may outlast its time limit)."""
+    select, mod, grid = _sweeps()[kind]
     out = open(args.json, "w") if args.json else None
     for preset in args.presets:
         cfg = preset_config(preset)
         for M in args.m:
             for name, fn, _, fargs, _ in cases(cfg, M):
-                if "norm_rope" not in name:
+                if not select(name):
                     continue
                 fn(*fargs)
                 timed = {"default": triton.testing.do_bench_cudagraph(lambda: fn(*fargs), rep=30) * 1e3}
-                for hb in (1, 2, 4, 8, 16):
-                    for warps in (1, 2, 4, 8):
-                        nr.LAUNCH_OVERRIDE.update(hb=hb, warps=warps)
-                        try:
-                            fn(*fargs)
-                            timed[(hb, warps)] = triton.testing.do_bench_cudagraph(lambda: fn(*fargs), rep=20) * 1e3
-                        except Exception as e:      # noqa: BLE001 - a launch the GPU refuses is skipped
-                            print(f"# {name} hb={hb} warps={warps}: {type(e).__name__}")
-                        finally:
-                            nr.LAUNCH_OVERRIDE.clear()
+                for over in grid:
+                    mod.LAUNCH_OVERRIDE.update(over)
+                    try:
+                        fn(*fargs)
+                        timed[tuple(over.values())] = triton.testing.do_bench_cudagraph(lambda: fn(*fargs), rep=20) * 1e3
+                    except Exception as e:      # noqa: BLE001 - a launch the GPU refuses is skipped
+                        print(f"# {name} {over}: {type(e).__name__}")
+                    finally:
+                        mod.LAUNCH_OVERRIDE.clear()
                 best = min((k for k in timed if k != "default"), key=timed.get)
                 row = dict(preset=preset, M=M, op=name, default_us=timed["default"], best=list(best),
                            best_us=timed[best], all={str(k): v for k, v in timed.items()})
@@ -250,6 +263,8 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--linear", action="store_true",
                     help="the decode GEMMs instead (skinny Triton GEMM vs F.linear / cuBLAS; M <= 32)")
+    ap.add_argument("--sweep", choices=["norm_rope", "gelu", "softcap"], default=None,
+                    help="time the kernel's launch under every override of its sweep grid (gelu: block x warps)")
     ap.add_argument("--sweep-norm-rope", action="store_true",
                     help="time rms_norm_rope / qkv_norm_rope_append under every (heads per program, warps)")
     ap.add_argument("--sweep-linear", action="store_true",
@@ -257,8 +272,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.sweep_linear:
         return sweep_linear(args)
-    if args.sweep_norm_rope:
-        return sweep_norm_rope(args)
+    if args.sweep_norm_rope or args.sweep:
+        return sweep(args, args.sweep or "norm_rope")
     bw = copy_bandwidth("cuda")
     floor = launch_floor()
     print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s  dtype {DT}  empty kernel "

@@ -110,6 +110,8 @@ for s in "$@"; do
     gen32ab) stage gen32ab 320 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 32 --repeats 5 \
             --systems gemma4opt-paged static_compile gemma4opt-paged-cublas --json "$OUT/gen.jsonl" ;;  # batch 32, best of 5
     moetest) stage moetest 150 $PYTEST tests/kernels/test_moe_experts_kernel.py tests/gpu/test_gpu_moe_experts.py ;;
+    sweepgelu) stage sweepgelu 150 python3 benchmarks/bench_kernels.py --sweep gelu --m 1 32 256 8192 --json "$OUT/sweep_gelu.jsonl" ;;
+    sweepsoftcap) stage sweepsoftcap 150 python3 benchmarks/bench_kernels.py --sweep softcap --m 1 32 256 --json "$OUT/sweep_softcap.jsonl" ;;
     ktests) stage ktests 300 $PYTEST tests/kernels ;;     # every kernel test compiled on the GPU (PDL chain included)
     genpdl) stage genpdl 470 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 128 \
             --systems gemma4opt-paged static_compile eager gemma4opt-paged-nopdl --json "$OUT/gen.jsonl" ;;  # + PDL off

@@ -9,6 +9,8 @@ from gemma4opt.kernels._util import pdl_flags, pdl_prologue
 from gemma4opt.kernels.gelu_tanh_mul import _tanh
 
 _BLOCK = 2048
+# (BLOCK, num_warps) forced by ``benchmarks/bench_kernels.py --sweep-softcap``.
+LAUNCH_OVERRIDE: dict = {}
 
 
 @triton.jit
@@ -27,5 +29,6 @@ def softcap_(x: torch.Tensor, cap: float) -> torch.Tensor:
     assert x.is_contiguous()
     n = x.numel()
     if n:
-        _softcap_kernel[(triton.cdiv(n, _BLOCK),)](x, n, cap, BLOCK=_BLOCK, **pdl_flags(x))
+        block, warps = (LAUNCH_OVERRIDE["block"], LAUNCH_OVERRIDE["warps"]) if LAUNCH_OVERRIDE else (_BLOCK, 4)
+        _softcap_kernel[(triton.cdiv(n, block),)](x, n, cap, BLOCK=block, num_warps=warps, **pdl_flags(x))
     return x

@@ -27,10 +27,17 @@ def test_large_inputs_saturate_tanh_without_nan():
     close(out, gelu_tanh_mul_reference(g, torch.ones_like(g)), torch.float32)
 
 
-def test_block_fits_the_row():
-    """Rows that split evenly into 1024-blocks keep them; a row that would leave most of its last
-    block masked (the 26b-a4b's 2112) takes 256-blocks."""
-    from gemma4opt.kernels.gelu_tanh_mul import _block
+def test_launch_override_is_used_and_matches():
+    """The sweep's forced launches (other blocks and warps, a row not a multiple of the block) give
+    the same result as the default launch."""
+    from gemma4opt.kernels import gelu_tanh_mul as gm
 
-    assert _block(21504)[0] == 1024 and _block(10240)[0] == 1024
-    assert _block(2112)[0] == 256 and _block(24)[0] == 256
+    g, u = torch.randn(3, 2112, device=DEVICE), torch.randn(3, 2112, device=DEVICE)
+    want = gelu_tanh_mul_triton(g, u)
+    try:
+        gm.LAUNCH_OVERRIDE.update(block=256, warps=2)
+        assert gm._block(2112) == (256, 2)
+        torch.testing.assert_close(gelu_tanh_mul_triton(g, u), want)
+    finally:
+        gm.LAUNCH_OVERRIDE.clear()
+    assert gm._block(2112) == (1024, 4)
