@@ -140,7 +140,7 @@ def _decode_gemms() -> str:
 def _decode_experts() -> str:
     from gemma4opt.ops import moe_experts
 
-    return _picks_line(moe_experts, "gemma4opt's decode kernels", "HF's grouped path", "tokens",
+    return _picks_line(moe_experts, "gemma4opt's decode kernels", "HF's experts path", "tokens",
                        "no decode shape timed yet (HF's experts path until one is)")
 
 

@@ -1,12 +1,19 @@
-"""Gemma-4 MoE experts (HF's grouped path) → ``gemma4opt.moe_experts``.
+"""Gemma-4 MoE experts (HF's grouped or batched_mm path) → ``gemma4opt.moe_experts``.
 
-Unfused (one Gemma4TextExperts, transformers' ``grouped_mm`` experts implementation)::
+Unfused (one Gemma4TextExperts, transformers' ``grouped_mm`` experts implementation, prefill)::
 
     ids, perm = sort(top_k_index.reshape(-1)); xs = x[perm // k]; ws = top_k_weights.reshape(-1)[perm]
     offs = cumsum(histc(ids, E))                              # tokens per expert
     gu = grouped_mm(xs, gate_up_proj^T, offs); h = gelu_tanh(gu[:, :I]) * gu[:, I:]   # or gelu_tanh_mul
     y = grouped_mm(h, down_proj^T, offs) * ws[:, None]        # (+ masked_fill of sentinel rows)
     out = y[inverse(perm)].view(T, k, H).sum(1).to(x.dtype)
+
+or (``batched_mm``, which HF's generate switches to for decode steps on a GPU)::
+
+    xs = x.repeat_interleave(k, 0); ids = top_k_index.reshape(-1).clamp(0, E - 1)
+    gu = bmm(gate_up_proj[ids], xs[..., None])[..., 0]; h = gelu_tanh(gu[:, :I]) * gu[:, I:]
+    y = bmm(down_proj[ids], h[..., None])[..., 0] * top_k_weights.reshape(-1)[:, None]
+    out = y.view(T, k, H).sum(1).to(x.dtype)
 
 Fused::
 
@@ -16,7 +23,7 @@ Fused::
 CUDA decode, where each shape runs whichever of gemma4opt's two decode kernels and HF's path
 timed faster (ops/moe_experts.py). One match per MoE layer. Left unfused, with the reason, when
 the experts are not the concatenated [gate; up], untransposed, bias-free, gelu-tanh layout the
-kernels read, or the region is not HF's grouped path (e.g. the eager per-expert loop).
+kernels read, or the region is neither of HF's paths above (e.g. the eager per-expert loop).
 """
 from __future__ import annotations
 
@@ -36,7 +43,7 @@ def _value(node):
 
 class MoeExpertsPattern(Pattern):
     name = "moe_experts"
-    summary = "MoE experts (HF grouped path) -> gemma4opt.moe_experts (decode kernels or HF's path per shape)"
+    summary = "MoE experts (HF grouped / batched_mm path) -> gemma4opt.moe_experts (decode kernels or HF's per shape)"
 
     def expected(self, cfg, scope):
         return cfg.num_hidden_layers if cfg.enable_moe_block else 0
@@ -66,8 +73,10 @@ class MoeExpertsPattern(Pattern):
         counts = region.op_counts()
         # The activation: HF's gelu, or gemma4opt.gelu_tanh_mul where that pattern fused it already.
         acts = counts["gelu"] + counts["gelu_tanh_mul.default"]
-        if sum(counts[g] for g in _GROUPED) != 2 or counts["sort"] != 1 or acts != 1:
-            return None, f"not HF's grouped experts path: {dict(counts)}"
+        grouped = sum(counts[g] for g in _GROUPED) == 2 and counts["sort"] == 1
+        batched = counts["bmm"] == 2 and counts["repeat_interleave"] == 1 and counts["sort"] == 0
+        if not (grouped or batched) or acts != 1:
+            return None, f"not HF's grouped_mm or batched_mm experts path: {dict(counts)}"
         gelu = region.by_op("gelu")
         if gelu and gelu[0].kwargs.get("approximate", gelu[0].args[1] if len(gelu[0].args) > 1 else "none") != "tanh":
             return None, "activation is not gelu(approximate='tanh')"

@@ -64,4 +64,4 @@ def test_report_lists_the_experts_picks(monkeypatch):
     monkeypatch.setattr(moe_op, "_PICKS", {(1, 8, 128, 1408, 2816, None, 0): True,
                                            (8, 8, 128, 1408, 2816, None, 0): False})
     assert _decode_experts().startswith(
-        "gemma4opt's decode kernels on 1 of 2 shapes timed (tokens [1, 8]), HF's grouped path on the rest")
+        "gemma4opt's decode kernels on 1 of 2 shapes timed (tokens [1, 8]), HF's experts path on the rest")
