@@ -114,6 +114,8 @@ for s in "$@"; do
     sweepsoftcap) stage sweepsoftcap 150 python3 benchmarks/bench_kernels.py --sweep softcap --m 1 32 256 --json "$OUT/sweep_softcap.jsonl" ;;
     sweepnr) stage sweepnr 150 python3 benchmarks/bench_kernels.py --sweep norm_rope --presets 31b e4b --m 32 256 --json "$OUT/sweep_nr.jsonl" ;;
     pdltest) stage pdltest 90 $PYTEST tests/kernels/test_pdl.py ;;
+    genpdl132) stage genpdl132 240 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 32 \
+            --systems gemma4opt-paged static_compile eager gemma4opt-paged-nopdl --json "$OUT/gen.jsonl" ;;
     ktests) stage ktests 300 $PYTEST tests/kernels ;;     # every kernel test compiled on the GPU (PDL chain included)
     genpdl) stage genpdl 470 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 128 \
             --systems gemma4opt-paged static_compile eager gemma4opt-paged-nopdl --json "$OUT/gen.jsonl" ;;  # + PDL off
