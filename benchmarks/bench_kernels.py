@@ -28,6 +28,7 @@ from gemma4opt.kernels import _util  # noqa: E402
 from gemma4opt.kernels._util import pdl_prologue  # noqa: E402
 from gemma4opt.kernels.add_rms_norm import add_rms_norm_triton  # noqa: E402
 from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_mul_triton  # noqa: E402
+from gemma4opt.kernels.moe_experts import moe_experts_triton  # noqa: E402
 from gemma4opt.kernels.moe_router import router_topk_triton  # noqa: E402
 from gemma4opt.kernels.qkv_norm_rope_append import qkv_norm_rope_append_triton  # noqa: E402
 from gemma4opt.kernels.rms_norm import rms_norm_triton  # noqa: E402
@@ -55,6 +56,29 @@ def _router_ref(logits, pes, k):
     probs = torch.softmax(logits, -1, dtype=torch.float32)
     w, i = torch.topk(probs, k, -1)
     return probs, w / w.sum(-1, keepdim=True) * pes[i], i
+
+
+def _moe_batched_ref(x, idx, wt, gate_up, down):
+    """HF's batched_mm experts path (what generate runs at decode on a GPU), for Inductor to compile."""
+    T, k = idx.shape
+    ids = idx.reshape(-1)
+    xs = x.repeat_interleave(k, dim=0)
+    gu = torch.bmm(gate_up[ids], xs.unsqueeze(-1)).squeeze(-1)
+    g, u = gu.chunk(2, dim=-1)
+    h = torch.nn.functional.gelu(g, approximate="tanh") * u
+    y = torch.bmm(down[ids], h.unsqueeze(-1)).squeeze(-1) * wt.reshape(-1).unsqueeze(-1)
+    return y.view(T, k, -1).sum(dim=1).to(x.dtype)
+
+
+def _moe_case(cfg, M):
+    E, k, H, I = cfg.num_experts, cfg.top_k_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    x = torch.randn(M, H, device="cuda", dtype=DT)
+    gate_up = torch.randn(E, 2 * I, H, device="cuda", dtype=DT) / H ** 0.5
+    down = torch.randn(E, H, I, device="cuda", dtype=DT) / I ** 0.5
+    idx = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(M)])
+    wt = torch.softmax(torch.randn(M, k, device="cuda"), -1)
+    moved = _nbytes(x) * 2 + M * k * 3 * I * H * 2       # each pair's gate, up and down rows
+    return "moe_experts (decode)", moe_experts_triton, _moe_batched_ref, (x, idx, wt, gate_up, down), moved
 
 
 def _qkv_case(cfg, kind, M, D, heads, cos, sin, w):
@@ -130,6 +154,8 @@ def cases(cfg, M):
     if cfg.enable_moe_block:
         logits = torch.randn(M, cfg.num_experts, device="cuda", dtype=DT)
         pes = torch.randn(cfg.num_experts, device="cuda", dtype=DT)
+        if M * cfg.top_k_experts <= 64:
+            out.append(_moe_case(cfg, M))
         out.append(("moe_router top-k", router_topk_triton, _router_ref, (logits, pes, cfg.top_k_experts),
                     _nbytes(logits) + M * cfg.num_experts * 4 + M * cfg.top_k_experts * 12))
     return out
@@ -138,6 +164,7 @@ def cases(cfg, M):
 def _sweeps():
     """--sweep-X -> (which cases, the module whose LAUNCH_OVERRIDE is forced, the overrides)."""
     from gemma4opt.kernels import gelu_tanh_mul as gm
+    from gemma4opt.kernels import moe_experts as me
     from gemma4opt.kernels import rms_norm_rope as nr
     from gemma4opt.kernels import softcap as sc
 
@@ -145,6 +172,10 @@ def _sweeps():
                           [dict(hb=hb, warps=w) for hb in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8)]),
             "gelu": (lambda n: n == "gelu_tanh_mul", gm,
                      [dict(block=b, warps=w) for b in (256, 512, 1024, 2048, 4096) for w in (1, 2, 4, 8)]),
+            "moe": (lambda n: n.startswith("moe_experts"), me,
+                    [dict(gu_n=n, gu_k=kk, gu_warps=w) for n in (4, 8, 16, 32) for kk in (256, 512) for w in (2, 4, 8)]
+                    + [dict(dn_n=n, dn_k=kk, dn_warps=w) for n in (2, 4, 8, 16, 32) for kk in (256, 512)
+                       for w in (2, 4, 8)]),
             "softcap": (lambda n: n.startswith("softcap"), sc,
                         [dict(block=b, warps=w) for b in (512, 1024, 2048, 4096, 8192) for w in (2, 4, 8, 16)])}
 
@@ -263,7 +294,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--linear", action="store_true",
                     help="the decode GEMMs instead (skinny Triton GEMM vs F.linear / cuBLAS; M <= 32)")
-    ap.add_argument("--sweep", choices=["norm_rope", "gelu", "softcap"], default=None,
+    ap.add_argument("--sweep", choices=["norm_rope", "gelu", "softcap", "moe"], default=None,
                     help="time the kernel's launch under every override of its sweep grid (gelu: block x warps)")
     ap.add_argument("--sweep-norm-rope", action="store_true",
                     help="time rms_norm_rope / qkv_norm_rope_append under every (heads per program, warps)")

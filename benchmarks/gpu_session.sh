@@ -116,7 +116,8 @@ for s in "$@"; do
     pdltest) stage pdltest 90 $PYTEST tests/kernels/test_pdl.py ;;
     genpdl132) stage genpdl132 240 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 32 \
             --systems gemma4opt-paged static_compile eager gemma4opt-paged-nopdl --json "$OUT/gen.jsonl" ;;
-    ktests) stage ktests 300 $PYTEST tests/kernels ;;     # every kernel test compiled on the GPU (PDL chain included)
+    sweepmoe) stage sweepmoe 150 python3 benchmarks/bench_kernels.py --sweep moe --presets 26b-a4b --m 1 4 8 --json "$OUT/sweep_moe.jsonl" ;;
+    ktests) stage ktests 240 $PYTEST tests/kernels ;;     # every kernel test compiled on the GPU (PDL chain included)
     genpdl) stage genpdl 470 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 128 \
             --systems gemma4opt-paged static_compile eager gemma4opt-paged-nopdl --json "$OUT/gen.jsonl" ;;  # + PDL off
     lintest) stage lintest 150 $PYTEST tests/kernels/test_skinny_linear_kernel.py tests/gpu/test_gpu_linear.py ;;

@@ -91,8 +91,14 @@ def _block_k(K: int, most: int) -> int:
     return bk
 
 
+# Tiles of the two kernels: rows of W per program, the longest K tile (cut to pad K by <= ~10 %),
+# warps. ``benchmarks/bench_kernels.py --sweep moe`` times the alternatives (LAUNCH_OVERRIDE).
+TILES = dict(gu_n=8, gu_k=512, gu_warps=4, dn_n=4, dn_k=512, dn_warps=4)
+LAUNCH_OVERRIDE: dict = {}
+
+
 def moe_experts_triton(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                       gate_up: torch.Tensor, down: torch.Tensor, block_n: int = 8, block_k: int = 512) -> torch.Tensor:
+                       gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """x [T, H], top_k_index / top_k_weights [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H]."""
     T, H = x.shape
     k = top_k_index.shape[-1]
@@ -111,11 +117,14 @@ def moe_experts_triton(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     if T == 0:
         return out
     act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(T * k, triton.cdiv(I, block_n))](
+    t = {**TILES, **LAUNCH_OVERRIDE}
+    _gate_up_kernel[(T * k, triton.cdiv(I, t["gu_n"]))](
         x, idx, gate_up, act, H, I, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        TOPK=k, BLOCK_N=block_n, BLOCK_K=_block_k(H, block_k), COMPILED=_COMPILED, **pdl_flags(x))
-    # Half the rows per program for down: one program per H-block of a token (not per pair).
-    _down_kernel[(T, triton.cdiv(H, max(block_n // 2, 1)))](
+        TOPK=k, BLOCK_N=t["gu_n"], BLOCK_K=_block_k(H, t["gu_k"]), COMPILED=_COMPILED, num_warps=t["gu_warps"],
+        **pdl_flags(x))
+    # Down: one program per H-block of a token (its k pairs summed in it), not per pair.
+    _down_kernel[(T, triton.cdiv(H, t["dn_n"]))](
         act, idx, wt, down, out, H, I, down.stride(0), down.stride(1),
-        TOPK=k, BLOCK_N=max(block_n // 2, 1), BLOCK_K=_block_k(I, block_k), COMPILED=_COMPILED, **pdl_flags(x))
+        TOPK=k, BLOCK_N=t["dn_n"], BLOCK_K=_block_k(I, t["dn_k"]), COMPILED=_COMPILED, num_warps=t["dn_warps"],
+        **pdl_flags(x))
     return out
