@@ -198,7 +198,7 @@ def sweep(args, kind):
                     mod.LAUNCH_OVERRIDE.update(over)
                     try:
                         fn(*fargs)
-                        timed[tuple(over.values())] = triton.testing.do_bench_cudagraph(lambda: fn(*fargs), rep=20) * 1e3
+                        timed[tuple(over.items())] = triton.testing.do_bench_cudagraph(lambda: fn(*fargs), rep=20) * 1e3
                     except Exception as e:      # noqa: BLE001 - a launch the GPU refuses is skipped
                         print(f"# {name} {over}: {type(e).__name__}")
                     finally:
