@@ -10,7 +10,7 @@ from gemma4opt.kernels._util import pdl_flags, pdl_prologue
 _BLOCK = 1024
 
 
-# (BLOCK, num_warps) forced by ``benchmarks/bench_kernels.py --sweep-gelu``, which times the
+# (BLOCK, num_warps) forced by ``benchmarks/bench_kernels.py --sweep gelu``, which times the
 # alternatives to _block.
 LAUNCH_OVERRIDE: dict = {}
 
