@@ -9,7 +9,7 @@ from gemma4opt.kernels._util import pdl_flags, pdl_prologue
 from gemma4opt.kernels.gelu_tanh_mul import _tanh
 
 _BLOCK = 2048
-# (BLOCK, num_warps) forced by ``benchmarks/bench_kernels.py --sweep-softcap``.
+# (BLOCK, num_warps) forced by ``benchmarks/bench_kernels.py --sweep softcap``.
 LAUNCH_OVERRIDE: dict = {}
 
 
