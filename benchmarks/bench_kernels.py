@@ -48,6 +48,15 @@ DT = torch.bfloat16
 EPS = 1e-6
 
 
+def _graph_us(fn, rep: int) -> float:
+    """µs per call of fn replayed in a CUDA graph. Triton's do_bench_cudagraph runs fn on a side
+    stream that does not wait for the current one: without the synchronize, fn could read inputs
+    the current stream has not finished making. The likely cause of the MoE sweep's illegal address
+    at 8 tokens on the H200, which a standalone run that synchronized first did not reproduce."""
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=rep) * 1e3
+
+
 def _nbytes(*ts):
     return sum(t.numel() * t.element_size() for t in ts)
 
@@ -193,12 +202,12 @@ def sweep(args, kind):
                 if not select(name):
                     continue
                 fn(*fargs)
-                timed = {"default": triton.testing.do_bench_cudagraph(lambda: fn(*fargs), rep=30) * 1e3}
+                timed = {"default": _graph_us(lambda: fn(*fargs), rep=30)}
                 for over in grid:
                     mod.LAUNCH_OVERRIDE.update(over)
                     try:
                         fn(*fargs)
-                        timed[tuple(over.items())] = triton.testing.do_bench_cudagraph(lambda: fn(*fargs), rep=20) * 1e3
+                        timed[tuple(over.items())] = _graph_us(lambda: fn(*fargs), rep=20)
                     except Exception as e:      # noqa: BLE001 - a launch the GPU refuses is skipped
                         print(f"# {name} {over}: {type(e).__name__}")
                     finally:
@@ -242,15 +251,15 @@ def sweep_linear(args):
             for name, fn, ref, (x, w), nbytes in sorted(linear_cases(cfg, M), key=lambda c: -c[3][1].numel()):
                 want = ref(x, w)
                 fn(x, w)
-                timed = {"cublas": triton.testing.do_bench_cudagraph(lambda: ref(x, w), rep=20) * 1e3,
-                         "autotuned": triton.testing.do_bench_cudagraph(lambda: fn(x, w), rep=20) * 1e3}
+                timed = {"cublas": _graph_us(lambda: ref(x, w), rep=20),
+                         "autotuned": _graph_us(lambda: fn(x, w), rep=20)}
                 for tile in _linear_tiles():
                     try:
                         got = fn(x, w, tile)
                         if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
                             print(f"# {name} {tile}: wrong result")
                             continue
-                        timed[str(tile)] = triton.testing.do_bench_cudagraph(lambda: fn(x, w, tile), rep=15) * 1e3
+                        timed[str(tile)] = _graph_us(lambda: fn(x, w, tile), rep=15)
                     except Exception as e:      # noqa: BLE001 - a tile the GPU refuses is skipped
                         print(f"# {name} {tile}: {type(e).__name__} {str(e)[:80]}")
                 ranked = sorted((k for k in timed if k.startswith("{")), key=timed.get)
@@ -282,7 +291,7 @@ def launch_floor() -> dict:
         _util.set_pdl(pdl)
         fn = lambda: _empty_kernel[(1,)](x, **_util.pdl_flags(x))  # noqa: E731
         fn()
-        out["pdl" if pdl else "plain"] = triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
+        out["pdl" if pdl else "plain"] = _graph_us(fn, rep=50)
     _util.set_pdl(True)
     return out
 
@@ -323,12 +332,12 @@ def main(argv=None):
                 fn(*fargs), compiled(*fargs)           # compile / JIT outside the timed graphs
                 torch.cuda.synchronize()
                 # Timed as CUDA-graph replays, as decode runs them: no Python launch overhead.
-                t_fused = triton.testing.do_bench_cudagraph(lambda: fn(*fargs), rep=50) * 1e3
+                t_fused = _graph_us(lambda: fn(*fargs), rep=50)
                 _util.set_pdl(False)        # the same kernel launched plainly (a recompile: PDL is constexpr)
                 fn(*fargs)
-                t_plain = triton.testing.do_bench_cudagraph(lambda: fn(*fargs), rep=50) * 1e3
+                t_plain = _graph_us(lambda: fn(*fargs), rep=50)
                 _util.set_pdl(True)
-                t_ind = triton.testing.do_bench_cudagraph(lambda: compiled(*fargs), rep=50) * 1e3
+                t_ind = _graph_us(lambda: compiled(*fargs), rep=50)
                 gbs = nbytes / (t_fused * 1e-6) / 1e9
                 row = dict(preset=preset, M=M, op=name, triton_us=t_fused, triton_no_pdl_us=t_plain, inductor_us=t_ind,
                            speedup=t_ind / t_fused, gb_s=gbs, frac_copy_bw=gbs * 1e9 / bw)
