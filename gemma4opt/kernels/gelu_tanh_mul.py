@@ -36,6 +36,14 @@ def _tanh(x):
 
 
 @triton.jit
+def gelu_tanh_rounded(g, dt):
+    """gelu_tanh(g) in fp32 from fp32 g, rounded to dt as HF's eager gelu output is (here and in
+    the MoE experts' gate/up kernel)."""
+    inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    return (0.5 * g * (1.0 + _tanh(inner))).to(dt).to(tl.float32)
+
+
+@triton.jit
 def _gelu_tanh_mul_kernel(G, U, O, sg, su, so, D, N, BLOCK: tl.constexpr, FLAT: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     if FLAT:    # blocks over all rows x D outputs: no block straddles a row end half-masked
@@ -49,8 +57,7 @@ def _gelu_tanh_mul_kernel(G, U, O, sg, su, so, D, N, BLOCK: tl.constexpr, FLAT: 
     dt = O.dtype.element_ty
     g = tl.load(G + row * sg + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * su + cols, mask=mask, other=0.0).to(tl.float32)
-    inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-    act = (0.5 * g * (1.0 + _tanh(inner))).to(dt).to(tl.float32)   # HF rounds gelu's output
+    act = gelu_tanh_rounded(g, dt)
     tl.store(O + row * so + cols, (act * u).to(dt), mask=mask)
 
 

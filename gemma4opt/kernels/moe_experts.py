@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from gemma4opt.kernels._util import pdl_flags, pdl_prologue
-from gemma4opt.kernels.gelu_tanh_mul import _tanh
+from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_rounded
 from gemma4opt.kernels.skinny_linear import _COMPILED, row_dot_tile
 
 MAX_PAIRS = 64          # (token, expert) pairs per call: decode (8 tokens of top-8); more -> HF's path
@@ -56,8 +56,7 @@ def _gate_up_kernel(X, IDX, GU, ACT, H, I, sxt, sge, sgn,
     dt = ACT.dtype.element_ty
     g = _rowsum(x, g_rows, H, nmask, BLOCK_N, BLOCK_K, COMPILED).to(dt).to(tl.float32)
     u = _rowsum(x, g_rows + I * sgn, H, nmask, BLOCK_N, BLOCK_K, COMPILED).to(dt).to(tl.float32)
-    inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-    act = (0.5 * g * (1.0 + _tanh(inner))).to(dt).to(tl.float32)
+    act = gelu_tanh_rounded(g, dt)
     tl.store(ACT + p.to(tl.int64) * I + n, (act * u).to(dt), mask=nmask)
 
 

@@ -27,7 +27,7 @@ import triton.language as tl
 import triton.testing
 
 from gemma4opt.kernels._util import pdl_flags, pdl_prologue, rows_view
-from gemma4opt.kernels.gelu_tanh_mul import _tanh
+from gemma4opt.kernels.softcap import softcap_rounded
 
 MAX_ROWS = 32
 # Triton's interpreter (CPU tests) multiplies bf16 dot tiles as raw integers, takes no runtime
@@ -80,10 +80,10 @@ def _out(acc, dt, CAP: tl.constexpr):
     """The GEMM's output in dt; with CAP > 0 the logit softcap tanh(y / CAP) * CAP on it, rounded
     where HF's eager code rounds (the bf16 logits, then after /, tanh and *)."""
     if CAP > 0:
-        y = acc.to(dt).to(tl.float32)
-        t = _tanh((y / CAP).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        acc = t * CAP
-    return acc.to(dt)
+        out = softcap_rounded(acc.to(dt).to(tl.float32), dt, CAP)
+    else:
+        out = acc.to(dt)
+    return out
 
 
 @triton.jit

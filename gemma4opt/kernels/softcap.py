@@ -14,14 +14,21 @@ LAUNCH_OVERRIDE: dict = {}
 
 
 @triton.jit
+def softcap_rounded(x, dt, cap):
+    """tanh(x / cap) * cap in fp32 from fp32 x (already in dt's values), rounded to dt after /,
+    tanh and * as HF's eager code is (here and in the skinny GEMM's lm_head epilogue)."""
+    t = _tanh((x / cap).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    return (t * cap).to(dt)
+
+
+@triton.jit
 def _softcap_kernel(X, N, cap, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     dt = X.dtype.element_ty
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    t = _tanh((x / cap).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    tl.store(X + offs, (t * cap).to(dt), mask=mask)
+    tl.store(X + offs, softcap_rounded(x, dt, cap), mask=mask)
 
 
 def softcap_(x: torch.Tensor, cap: float) -> torch.Tensor:
