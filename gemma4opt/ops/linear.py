@@ -12,17 +12,17 @@ faster at 8-32 rows. Ties go to cuBLAS, whose sums are the ones HF's own GEMM ma
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 
-from gemma4opt.ops.pick import bench_cold, check_close, pick_faster
+from gemma4opt.ops.pick import ShapePicks, bench_cold, check_close
 
 MAX_ROWS = 32
 MARGIN = 0.98          # Triton must be at least 2 % faster to be picked
-_PICKS: dict[tuple, bool] = {}      # (rows, N, K, dtype, device index) -> the Triton GEMM
-_FAILED: dict[tuple, str] = {}      # shapes whose Triton GEMM raised when timed: cuBLAS, and why
+# (rows, N, K, dtype, device index) -> the Triton GEMM. A Triton GEMM that fails to compile or run
+# (an unexpected GPU, say) leaves that shape on cuBLAS, and the report says why.
+SHAPES = ShapePicks(MARGIN)
+pick_triton, picks, failures = SHAPES.pick, SHAPES.picks, SHAPES.failures
 
 
 @torch.library.custom_op("gemma4opt::linear", mutates_args=())
@@ -33,24 +33,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @linear.register_fake
 def _(x, weight):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-def pick_triton(key: tuple, time_both: Callable[[], tuple[float, float]]) -> bool:
-    """Whether shape ``key`` runs the Triton GEMM: ``time_both()`` -> (Triton ms, cuBLAS ms) is
-    called once per key, never while a CUDA graph is being captured (cuBLAS then, not remembered).
-    A Triton GEMM that fails to compile or run (an unexpected GPU, say) leaves that shape on cuBLAS,
-    and the report says why, rather than failing generate."""
-    return pick_faster(_PICKS, _FAILED, key, time_both, MARGIN)
-
-
-def picks() -> dict[tuple, bool]:
-    """The shapes timed so far (rows, N, K, dtype, device) and whether each runs the Triton GEMM."""
-    return dict(_PICKS)
-
-
-def failures() -> dict[tuple, str]:
-    """Shapes whose Triton GEMM raised when it was timed (they run cuBLAS), with the error."""
-    return dict(_FAILED)
 
 
 def _time_both(x, weight) -> tuple[float, float]:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gemma4opt.ops.pick import bench_cold, check_close, pick_faster
+from gemma4opt.ops.pick import ShapePicks, bench_cold, check_close
 
 MAX_ROWS = 32
 MARGIN = 0.98
-_PICKS: dict[tuple, bool] = {}      # (rows, N, K, dtype, device index) -> the Triton GEMM + epilogue
-_FAILED: dict[tuple, str] = {}
+SHAPES = ShapePicks(MARGIN)         # (rows, N, K, dtype, device index) -> the Triton GEMM + epilogue
+picks, failures = SHAPES.picks, SHAPES.failures
 
 
 @torch.library.custom_op("gemma4opt::linear_softcap", mutates_args=())
@@ -27,14 +27,6 @@ def linear_softcap(x: torch.Tensor, weight: torch.Tensor, cap: float) -> torch.T
 
 def linear_softcap_reference(x, weight, cap):
     return torch.tanh(F.linear(x, weight) / cap) * cap
-
-
-def picks() -> dict[tuple, bool]:
-    return dict(_PICKS)
-
-
-def failures() -> dict[tuple, str]:
-    return dict(_FAILED)
 
 
 @linear_softcap.register_fake
@@ -62,7 +54,7 @@ def _(x, weight, cap):
     rows = x.numel() // max(x.shape[-1], 1)
     if 0 < rows <= MAX_ROWS and weight.stride(-1) == 1:
         key = (rows, weight.shape[0], weight.shape[1], x.dtype, x.device.index)
-        if pick_faster(_PICKS, _FAILED, key, lambda: _time_both(x, weight, cap), MARGIN):
+        if SHAPES.pick(key, lambda: _time_both(x, weight, cap)):
             from gemma4opt.kernels.skinny_linear import skinny_linear_triton
 
             return skinny_linear_triton(x, weight, cap=cap)

@@ -17,12 +17,12 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from gemma4opt.ops.pick import bench_cold, check_close, pick_faster
+from gemma4opt.ops.pick import ShapePicks, bench_cold, check_close
 
 MARGIN = 0.98
 _MODULES: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
-_PICKS: dict[tuple, bool] = {}      # (tokens, k, experts, I, H, dtype, device index) -> the Triton path
-_FAILED: dict[tuple, str] = {}
+SHAPES = ShapePicks(MARGIN)         # (tokens, k, experts, 2I, H, dtype, device index) -> the Triton path
+picks, failures = SHAPES.picks, SHAPES.failures
 
 
 def register_experts(module: torch.nn.Module) -> int:
@@ -64,14 +64,6 @@ def moe_experts_reference(x, top_k_index, top_k_weights, gate_up, down):
     return out.sum(dim=1).to(x.dtype)
 
 
-def picks() -> dict[tuple, bool]:
-    return dict(_PICKS)
-
-
-def failures() -> dict[tuple, str]:
-    return dict(_FAILED)
-
-
 def _time_both(x, idx, w, gate_up, down, module) -> tuple[float, float]:
     from gemma4opt.kernels.moe_experts import moe_experts_triton
 
@@ -88,8 +80,7 @@ def _(x, top_k_index, top_k_weights, gate_up, down, module_key):
     module = _module(module_key)
     if x.dim() == 2 and 0 < top_k_index.numel() <= MAX_PAIRS and gate_up.stride(-1) == 1 and down.stride(-1) == 1:
         key = (x.shape[0], top_k_index.shape[-1], *gate_up.shape[:2], x.shape[1], x.dtype, x.device.index)
-        if pick_faster(_PICKS, _FAILED, key, lambda: _time_both(x, top_k_index, top_k_weights, gate_up, down, module),
-                       MARGIN):
+        if SHAPES.pick(key, lambda: _time_both(x, top_k_index, top_k_weights, gate_up, down, module)):
             from gemma4opt.kernels.moe_experts import moe_experts_triton
 
             return moe_experts_triton(x, top_k_index, top_k_weights, gate_up, down)

@@ -1,7 +1,7 @@
 """Per-shape picks between a gemma4opt Triton kernel and the path it replaces, timed once each.
 
-Used where neither side wins everywhere (``gemma4opt.linear`` against cuBLAS, ``gemma4opt.moe_experts``
-against HF's grouped experts): the first call of a shape times both, outside any CUDA graph
+Used where neither side wins everywhere (``gemma4opt.linear`` and ``gemma4opt.linear_softcap``
+against cuBLAS, ``gemma4opt.moe_experts`` against HF's experts path): the first call of a shape times both, outside any CUDA graph
 capture (decode graphs warm up eagerly first), after checking that the Triton result matches.
 """
 from __future__ import annotations
@@ -11,24 +11,40 @@ from typing import Callable
 import torch
 
 
-def pick_faster(picks: dict, failed: dict, key: tuple, time_both: Callable[[], tuple[float, float]],
-                margin: float) -> bool:
-    """Whether shape ``key`` runs the Triton kernel: ``time_both()`` -> (Triton ms, other ms) is
-    called once per key, never while a CUDA graph is being captured (the other path then, not
-    remembered). Triton must be faster by ``margin`` (ties go to the path the model had). A
-    Triton kernel that fails to compile, run or match leaves that shape on the other path, and
-    ``failed`` says why, rather than failing generate."""
-    got = picks.get(key)
-    if got is None:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return False
-        try:
-            t_triton, t_other = time_both()
-        except Exception as e:      # noqa: BLE001 - any kernel failure means: the other path
-            failed[key] = f"{type(e).__name__}: {str(e)[:200]}"
-            t_triton, t_other = float("inf"), 0.0
-        got = picks[key] = t_triton < margin * t_other
-    return got
+class ShapePicks:
+    """One op's per-shape picks: shape key -> whether the Triton kernel runs, and the shapes whose
+    Triton kernel failed (with why)."""
+
+    def __init__(self, margin: float):
+        self.margin = margin
+        self.chosen: dict[tuple, bool] = {}
+        self.failed: dict[tuple, str] = {}
+
+    def pick(self, key: tuple, time_both: Callable[[], tuple[float, float]]) -> bool:
+        """Whether shape ``key`` runs the Triton kernel: ``time_both()`` -> (Triton ms, other ms) is
+        called once per key, never while a CUDA graph is being captured (the other path then, not
+        remembered). Triton must be faster by ``margin`` (ties go to the path the model had). A
+        Triton kernel that fails to compile, run or match leaves that shape on the other path, and
+        ``failures()`` says why, rather than failing generate."""
+        got = self.chosen.get(key)
+        if got is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                return False
+            try:
+                t_triton, t_other = time_both()
+            except Exception as e:      # noqa: BLE001 - any kernel failure means: the other path
+                self.failed[key] = f"{type(e).__name__}: {str(e)[:200]}"
+                t_triton, t_other = float("inf"), 0.0
+            got = self.chosen[key] = t_triton < self.margin * t_other
+        return got
+
+    def picks(self) -> dict[tuple, bool]:
+        """The shapes timed so far and whether each runs the Triton kernel."""
+        return dict(self.chosen)
+
+    def failures(self) -> dict[tuple, str]:
+        """Shapes whose Triton kernel raised when it was timed (they run the other path), with the error."""
+        return dict(self.failed)
 
 
 def check_close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-2, what: str = "Triton kernel",

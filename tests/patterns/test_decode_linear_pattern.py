@@ -40,7 +40,7 @@ def test_biased_projection_stays_unfused_and_is_listed():
 
 
 def test_pick_is_timed_once_per_shape_and_never_while_capturing(monkeypatch):
-    monkeypatch.setattr(linear_op, "_PICKS", {})
+    monkeypatch.setattr(linear_op.SHAPES, "chosen", {})
     calls = []
 
     def timer(t_triton, t_cublas):
@@ -60,8 +60,8 @@ def test_pick_is_timed_once_per_shape_and_never_while_capturing(monkeypatch):
 
 
 def test_a_triton_gemm_that_fails_leaves_the_shape_on_cublas(monkeypatch):
-    monkeypatch.setattr(linear_op, "_PICKS", {})
-    monkeypatch.setattr(linear_op, "_FAILED", {})
+    monkeypatch.setattr(linear_op.SHAPES, "chosen", {})
+    monkeypatch.setattr(linear_op.SHAPES, "failed", {})
 
     def broken():
         raise RuntimeError("no kernel image for this GPU")
@@ -74,11 +74,26 @@ def test_a_triton_gemm_that_fails_leaves_the_shape_on_cublas(monkeypatch):
 def test_report_line_counts_the_picks(monkeypatch):
     from gemma4opt.report import _decode_gemms
 
-    monkeypatch.setattr(linear_op, "_PICKS", {})
-    monkeypatch.setattr(linear_op, "_FAILED", {})
+    monkeypatch.setattr(linear_op.SHAPES, "chosen", {})
+    monkeypatch.setattr(linear_op.SHAPES, "failed", {})
     assert "no shape" in _decode_gemms()
-    monkeypatch.setattr(linear_op, "_PICKS", {(1, 8, 4, None, 0): True, (8, 8, 4, None, 0): False})
+    monkeypatch.setattr(linear_op.SHAPES, "chosen", {(1, 8, 4, None, 0): True, (8, 8, 4, None, 0): False})
     assert _decode_gemms().startswith("the skinny Triton GEMM on 1 of 2 shapes timed (rows [1, 8])")
+    from gemma4opt.ops import linear_softcap
+
+    monkeypatch.setattr(linear_softcap.SHAPES, "chosen", {})
+    assert "lm_head" not in _decode_gemms()
+
+
+def test_report_line_counts_the_lm_head_picks(monkeypatch):
+    from gemma4opt.ops import linear_softcap
+    from gemma4opt.report import _decode_gemms
+
+    monkeypatch.setattr(linear_op.SHAPES, "chosen", {(1, 8, 4, None, 0): True})
+    monkeypatch.setattr(linear_softcap.SHAPES, "chosen", {(1, 262144, 2560, None, 0): True,
+                                                         (40, 262144, 2560, None, 0): False})
+    assert _decode_gemms().endswith("; lm_head + softcap: the skinny GEMM with the softcap epilogue on 1 of 2 "
+                                    "shapes timed (rows [1, 40]), cuBLAS + the softcap kernel on the rest")
 
 
 def test_a_triton_result_that_differs_from_cublas_is_refused():

@@ -59,9 +59,9 @@ def test_report_lists_the_experts_picks(monkeypatch):
     from gemma4opt.ops import moe_experts as moe_op
     from gemma4opt.report import _decode_experts
 
-    monkeypatch.setattr(moe_op, "_PICKS", {})
+    monkeypatch.setattr(moe_op.SHAPES, "chosen", {})
     assert _decode_experts().startswith("no decode shape timed yet")
-    monkeypatch.setattr(moe_op, "_PICKS", {(1, 8, 128, 1408, 2816, None, 0): True,
+    monkeypatch.setattr(moe_op.SHAPES, "chosen", {(1, 8, 128, 1408, 2816, None, 0): True,
                                            (8, 8, 128, 1408, 2816, None, 0): False})
     assert _decode_experts().startswith(
         "gemma4opt's decode kernels on 1 of 2 shapes timed (tokens [1, 8]), HF's experts path on the rest")
