@@ -14,12 +14,14 @@ import gemma4opt.ops  # noqa: F401  (registers torch.ops.gemma4opt.*)
 from gemma4opt.compiler.backend import make_backend
 from gemma4opt.compiler.pass_manager import PassManager, PatternStats
 from gemma4opt.compiler.pattern import PassContext
-from gemma4opt.config import Gemma4OptConfig
+from gemma4opt.config import Gemma4OptConfig, choose_attention
+from gemma4opt.edits import InstanceEdits, own_configs
 from gemma4opt.patterns import build_patterns
 from gemma4opt.runtime.decode_graphs import mark_fixed
-from gemma4opt.runtime.paged_generate import begin_paged_step, check_paged_supported, install_paged, paged_decode_step
+from gemma4opt.runtime.paged_generate import (begin_paged_step, check_paged_supported, install_paged, is_paged,
+                                              paged_attention_on, paged_decode_step)
 from gemma4opt.runtime.static_cache import install_static_cache_reuse
-from gemma4opt.runtime.step_inputs import cache_of, one_token_step
+from gemma4opt.runtime.step_inputs import cache_of, one_token_step, step_input
 from gemma4opt.runtime.stop_check import install_deferred_stop_check
 
 SUPPORTED_CLASSES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
@@ -62,6 +64,11 @@ class OptimizationState:
     graph_pool: object = None           # CUDA graph memory pool shared by this model's decode graphs
     stop_check: str = "per step (HF)"   # how generate checks for the end (runtime/stop_check.py)
     graph_key_changes: collections.Counter = field(default_factory=collections.Counter)  # why steps missed graphs
+    user_config: Gemma4OptConfig | None = None   # as passed to optimize() (re-resolved after .to())
+    mode_reason: str = ""               # which attention mode runs, and why (report)
+    edits: InstanceEdits | None = None  # what optimize() changed on the instance, to take back
+    hf_attn: str | None = None          # the model's own attention implementation (non-paged calls)
+    hf_forward: object = None           # paged mode: calls without a paged cache (HF attention)
 
 
 def _check_model(model) -> torch.nn.Module:
@@ -108,36 +115,65 @@ def _fallback_reason(module: torch.nn.Module, kwargs: dict) -> str | None:
 def optimize(model, config: Gemma4OptConfig | None = None):
     """Rewrite this Gemma-4 model instance to run fused gemma4opt ops; returns the same model.
 
-    Only this instance changes (its ``forward`` and generation config); HF classes are untouched.
+    Only this instance changes (its forward and generate, and its own copies of its configs);
+    HF classes, modules and registries are untouched. All-or-nothing: when it raises, the model
+    is as it was. Called again on an optimized model: ``config=None`` or the same config returns
+    it as is; another config re-optimizes it (with a warning saying so).
     """
     target = _check_model(model)
-    if getattr(model, "_gemma4opt", None) is not None:
-        return model
-    config = config or Gemma4OptConfig()
-    if not isinstance(config, Gemma4OptConfig):
+    if config is not None and not isinstance(config, Gemma4OptConfig):
         raise TypeError(f"gemma4opt.optimize: config must be a Gemma4OptConfig, got {type(config).__name__}")
+    old = getattr(model, "_gemma4opt", None)
+    if old is not None:
+        if config is None or config == old.user_config:
+            return model
+        warnings.warn(f"gemma4opt.optimize: this model was optimized with {old.user_config}; re-optimizing it "
+                      f"with {config} (graphs are compiled again and the KV pool is rebuilt)", stacklevel=2)
+        _revert(model)
+    edits = InstanceEdits()
+    try:
+        _install(model, target, config or Gemma4OptConfig(), edits)
+    except BaseException:
+        edits.revert()
+        raise
+    return model
+
+
+def _revert(model) -> None:
+    state = model._gemma4opt
+    state.edits.revert()
+    state.context = None      # the KV pool goes with the state
+
+
+def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) -> None:
     device = next(model.parameters()).device
-    cfg = config.resolve(device.type)
+    dtype = next(model.parameters()).dtype
+    own_configs(model, edits)       # first: everything below writes to the model's own copies
     text_config = model.config.get_text_config()
+    cfg = user_config.resolve(device.type, dtype, text_config)
+    mode_reason = (choose_attention(device.type, dtype, text_config)[1] if user_config.attention == "auto"
+                   else f"attention={cfg.attention!r} (set in Gemma4OptConfig)")
     if cfg.attention == "paged":
-        check_paged_supported(device, next(model.parameters()).dtype, text_config)
+        check_paged_supported(device, dtype, text_config)
     scope = "causal_lm" if target is model else "text_model"
     state = OptimizationState(cfg, type(model).__name__, scope, text_config)
-    model._gemma4opt = state
+    state.user_config, state.mode_reason, state.edits = user_config, mode_reason, edits
+    state.hf_attn = text_config._attn_implementation
 
     reason = _unrecognized_config(text_config)
     if reason is not None:
         state.disabled_reason = reason
-        warnings.warn(f"gemma4opt: {reason}; the model runs HF's unfused path", stacklevel=2)
-        return model
+        warnings.warn(f"gemma4opt: {reason}; the model runs HF's unfused path", stacklevel=3)
+        edits.set(model, "_gemma4opt", state)
+        return
 
     dyn = torch._dynamo.config
     dyn.recompile_limit = max(dyn.recompile_limit, _RECOMPILE_LIMIT)
     patterns = build_patterns()
-    enabled = [patterns[n] for n in cfg.enabled_patterns() if cfg.attention == "paged" or not patterns[n].paged_only]
+    paged = cfg.attention == "paged"
+    enabled = [patterns[n] for n in cfg.enabled_patterns() if paged or not patterns[n].paged_only]
     for p in enabled:
         state.stats[p.name] = PatternStats(p.name, p.summary, p.expected(text_config, scope))
-        p.prepare(target, text_config)
 
     def ctx_factory(gm):
         return PassContext(root=target, text_config=text_config, scope=scope, gm=gm)
@@ -150,24 +186,81 @@ def optimize(model, config: Gemma4OptConfig | None = None):
     lower_prefill = cfg.inductor and not cfg.cuda_graphs
     state.compiled_forward = torch.compile(_own_code_entry(target.forward),
                                            backend=make_backend(state, lower_prefill), fullgraph=True)
+    if paged:
+        # Calls without a paged cache (a direct forward, the caller's own cache, beam search) run
+        # HF's attention with HF's masks, compiled apart so the paged-only patterns skip them.
+        state.hf_forward = torch.compile(_own_code_entry(target.forward),
+                                         backend=make_backend(state, lower_prefill, paged=False), fullgraph=True)
     if cfg.cuda_graphs:
         state.decode_forward = torch.compile(_own_code_entry(target.forward),
                                              backend=make_backend(state, cfg.inductor, True, target), fullgraph=True)
-    target.forward = _make_forward(target, state)
-
-    if cfg.attention == "paged":
-        install_paged(model, target, state, device, next(model.parameters()).dtype)
+    if paged:
+        install_paged(model, target, state, device, dtype, edits)   # allocates the pool: may fail
 
     gen = getattr(model, "generation_config", None)
     if gen is not None:
         gen.disable_compile = True      # our forward is already compiled; HF must not wrap it again
-        if cfg.cache == "static" and gen.cache_implementation is None:
+        if cfg.cache == "static" and not paged and gen.cache_implementation is None:
             gen.cache_implementation = "static"
     if cfg.cuda_graphs:
-        install_static_cache_reuse(model, state)
+        install_static_cache_reuse(model, state, edits)
     if cfg.deferred_stop:
-        state.stop_check = install_deferred_stop_check(model)
-    return model
+        state.stop_check = install_deferred_stop_check(model, edits)
+    _install_generate_checks(model, state, edits)
+    # Last, once nothing else can fail: weight merges cannot be undone without a second copy.
+    for p in enabled:
+        p.prepare(target, text_config)
+    edits.set(target, "forward", _make_forward(target, state))
+    edits.set(model, "_apply", _make_apply(model))
+    edits.set(model, "_gemma4opt", state)
+
+
+def _make_apply(model):
+    """``.to()``, ``.cuda()``, ``.half()``... on the optimized model: HF's move, then the same
+    optimize() again for the new device and dtype (merged weights merged again, as views; a new
+    KV pool; graphs compiled anew). A call that changes nothing keeps everything."""
+    def _apply(fn, *args, **kwargs):
+        state = model._gemma4opt
+        before = _placement(model)
+        out = type(model)._apply(model, fn, *args, **kwargs)
+        if _placement(model) == before:
+            return out                      # nothing moved: graphs, pool and merged weights stand
+        _revert(model)
+        edits = InstanceEdits()
+        try:
+            _install(model, _check_model(model), state.user_config, edits)
+        except BaseException as e:
+            edits.revert()
+            warnings.warn(f"gemma4opt: after the move the model could not be optimized again ({e}); it runs HF's "
+                          "own forward now: call gemma4opt.optimize(model, config) for this device and dtype",
+                          stacklevel=3)
+        return out
+
+    return _apply
+
+
+def _placement(model):
+    p = next(model.parameters())
+    return p.device, p.dtype
+
+
+def _install_generate_checks(model, state, edits: InstanceEdits) -> None:
+    """Checks that apply to every generate call of the optimized model, before HF starts."""
+    original = model.generate
+    warned = []
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        gen = kwargs.get("generation_config")
+        asked = kwargs.get("compile_config") is not None or getattr(gen, "compile_config", None) is not None
+        if asked and not warned:
+            warned.append(True)
+            warnings.warn("gemma4opt: compile_config is ignored: the optimized model's forward is already compiled "
+                          "by gemma4opt, so HF's generate-time torch.compile is off for it (disable_compile)",
+                          stacklevel=2)
+        return original(*args, **kwargs)
+
+    edits.set(model, "generate", generate)
 
 
 def _own_code_entry(fn):
@@ -189,28 +282,50 @@ def _make_forward(target, state: OptimizationState):
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
+        ids = step_input(args, kwargs)
+        if ids is not None and ids.dim() >= 2 and ids.shape[1] == 0:
+            raise ValueError(f"gemma4opt: the input has no tokens (shape {tuple(ids.shape)}); give at least one token "
+                             "per sequence (a prompt, or a BOS token)")
         reason = _fallback_reason(target, kwargs)
-        graphed = reason is None and state.decode_forward is not None and one_token_step(args, kwargs)
-        if state.context is not None and state.scope == "causal_lm":   # else the outer forward began it
-            if graphed:
-                out = paged_decode_step(state, args, kwargs)
-                if out is not None:
-                    return out
-            begin_paged_step(state.context, args, kwargs)
+        if state.context is None:
+            return _call(state, original, args, kwargs, reason)
+        if not is_paged(cache_of(kwargs)):
+            # No paged cache: HF's attention implementation with HF's masks, exactly as unoptimized.
+            if reason is not None:
+                return _call(state, original, args, kwargs, reason)
+            state.compiled_calls += 1
+            return state.hf_forward(*args, **kwargs)
         if reason is not None:
-            if not state.fallbacks[reason]:
-                warnings.warn(f"gemma4opt: {reason}: this call runs HF's unfused forward", stacklevel=2)
-            state.fallbacks[reason] += 1
-            return original(*args, **kwargs)
-        state.compiled_calls += 1
-        if graphed and _static_cache_ready(kwargs):
-            if state.config.inductor:
-                state.graphed_calls += 1      # cudagraph trees; runtime.decode_graphs counts its own replays
-            torch.compiler.cudagraph_mark_step_begin()   # last step's outputs were consumed by generate
-            return state.decode_forward(*args, **kwargs)
-        return state.compiled_forward(*args, **kwargs)
+            raise NotImplementedError(
+                f"gemma4opt: {reason} on a call with a PagedCache: paged attention does not produce what HF's "
+                "fallback needs; pass a transformers cache (e.g. DynamicCache()) or none for such calls")
+        with paged_attention_on(state):
+            if state.scope == "causal_lm":   # else the outer forward began the step
+                if state.decode_forward is not None and one_token_step(args, kwargs):
+                    out = paged_decode_step(state, args, kwargs)
+                    if out is not None:
+                        return out
+                begin_paged_step(state.context, args, kwargs)
+            state.compiled_calls += 1
+            return state.compiled_forward(*args, **kwargs)
 
     return forward
+
+
+def _call(state, original, args, kwargs, reason):
+    """The HF mode's dispatch: HF's forward for unsupported features, else the compiled graph."""
+    if reason is not None:
+        if not state.fallbacks[reason]:
+            warnings.warn(f"gemma4opt: {reason}: this call runs HF's unfused forward", stacklevel=3)
+        state.fallbacks[reason] += 1
+        return original(*args, **kwargs)
+    state.compiled_calls += 1
+    if state.decode_forward is not None and one_token_step(args, kwargs) and _static_cache_ready(kwargs):
+        if state.config.inductor:
+            state.graphed_calls += 1      # cudagraph trees; runtime.decode_graphs counts its own replays
+        torch.compiler.cudagraph_mark_step_begin()   # last step's outputs were consumed by generate
+        return state.decode_forward(*args, **kwargs)
+    return state.compiled_forward(*args, **kwargs)
 
 
 def _static_cache_ready(kwargs) -> bool:

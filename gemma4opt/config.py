@@ -6,14 +6,29 @@ import dataclasses
 from gemma4opt.patterns import PATTERN_NAMES
 
 _CACHES = ("auto", "dynamic", "static")
-_ATTENTION = ("hf", "paged")
+_ATTENTION = ("auto", "hf", "paged")
 _DECODE_KERNELS = ("triton", "flashinfer", "auto")
+
+# Defaults of the paged mode when the sizes are left unset (documented in the README).
+DEFAULT_MAX_BATCH = 256          # page-table rows: sequences one generate call may hold
+DEFAULT_MAX_GRAPH_BATCH = 64     # the largest decode-graph bucket; larger batches decode uncaptured
+DEFAULT_KV_POOL_FRACTION = 0.5   # of the GPU memory free after the weights, for the KV pool
+CPU_KV_POOL_BYTES = 1 << 30      # the CPU pool's cap (the CPU paged path is a reference, not a server)
 
 
 @dataclasses.dataclass(frozen=True)
 class Gemma4OptConfig:
-    """What optimize() does to a model.
+    """What optimize() does to a model. Every field can be left at its default.
 
+    attention: "auto" (default) picks the fastest mode that runs this model here: "paged" on CUDA
+        when FlashInfer imports and the model's dtype (float16/bfloat16) and head dims (64, 128,
+        256, 512) are supported, else "hf"; on CPU "hf" (on CPU nothing is faster than eager, and
+        "hf" keeps HF's numerics bit for bit). ``report()`` says which mode was chosen and why.
+        "hf" keeps HF's attention over HF's cache. "paged" gives generate a paged KV cache
+        (gemma4opt.attention) whose attention reads page tables built on the host; sliding layers
+        free the pages their window left behind. CPU: reference attention. CUDA: FlashInfer
+        (the ``[gpu]`` extra) and gemma4opt's Triton decode kernel; what they cannot run is
+        refused when optimize() is called.
     patterns: names of the fusions to apply, in the order of ``gemma4opt.patterns.PATTERN_NAMES``;
         ``None`` means all of them. An empty tuple captures the graph but rewrites nothing.
     inductor: lower the rewritten graph with Inductor. ``None`` = off: the graph runs as captured,
@@ -25,21 +40,28 @@ class Gemma4OptConfig:
         or Inductor's cudagraph trees with ``inductor=True``), or over the paged cache per batch
         bucket (gemma4opt's runner; see decode_buckets). ``None`` = on when on CUDA with a static
         or paged cache.
-    cache: KV cache ``generate`` uses when the caller passes none. "auto" = "static" on CUDA
-        (fixed shapes: one decode graph, no recompiles), "dynamic" on CPU.
-    attention: "hf" keeps HF's attention over HF's cache. "paged" gives generate a paged KV cache
-        (gemma4opt.attention) whose attention reads page tables built on the host; sliding layers
-        free the pages their window left behind. CPU: reference attention. CUDA: FlashInfer
-        (attention/flashinfer.py; the ``[gpu]`` extra), fp16/bf16 models with head_dim 64, 128,
-        256 or 512; anything else is refused when optimize() is called.
-    page_size, max_batch_size, max_seq_len, kv_pool_pages: the paged cache's shape; kv_pool_pages
-        (per attention kind) defaults to max_batch_size full-length sequences.
-    kv_pool_fraction: with kv_pool_pages unset, cap the pools (every layer, both kinds) at this
-        fraction of the GPU memory free when optimize() runs: fewer pages than max_batch_size
-        full-length sequences if that is all that fits (a generate that outgrows them raises
-        PoolExhausted naming these settings, before anything is overwritten). ``None``: no cap,
-        but a pool that cannot fit in 90 % of the free memory is refused at optimize() with the
-        sizes, instead of failing in CUDA's allocator.
+    cache: KV cache ``generate`` uses in the "hf" mode when the caller passes none. "auto" =
+        "static" on CUDA (fixed shapes: one decode graph, no recompiles), "dynamic" on CPU.
+    page_size: tokens per KV page of the paged cache.
+    max_batch_size: sequences one paged generate call may hold (page-table rows). ``None`` =
+        DEFAULT_MAX_BATCH (256).
+    max_seq_len: tokens one sequence may hold (prompt + new tokens). ``None`` = the model's
+        context length (``max_position_embeddings``); page tables are sized for it, pages are
+        taken on demand. A generate that can never fit is refused before its first token.
+    kv_pool_pages: KV pages per attention kind. ``None``: sized from memory (kv_pool_fraction).
+    kv_pool_fraction: with kv_pool_pages unset, the KV pool (every layer, both kinds) takes this
+        fraction of the GPU memory free when optimize() runs (after the weights), and never more
+        than max_batch_size full-length sequences need. ``None`` = DEFAULT_KV_POOL_FRACTION (0.5)
+        when max_batch_size and max_seq_len are unset too; when you set them, ``None`` means
+        exactly max_batch_size full-length sequences, refused at optimize() if they do not fit in
+        90 % of the free memory. On CPU the pool is capped at CPU_KV_POOL_BYTES (1 GiB). A
+        generate that needs more pages than the pool holds raises PoolExhausted before anything
+        is written.
+    decode_buckets: with the paged cache and cuda_graphs, the batch sizes decode graphs are
+        captured for; a batch of B replays the smallest bucket >= B, padded with rows of a dummy
+        sequence whose page is reserved when the pool is created; a batch larger than every bucket
+        decodes uncaptured (counted in the report). ``None`` = 1, 2, 4, 8, then steps of 8 up to
+        min(max_batch_size, DEFAULT_MAX_GRAPH_BATCH = 64).
     deferred_stop: let HF generate read its stop flag one step late (transformers'
         DeferredStopCheck, which HF enables on "mps" only), so the host queues the next decode step
         while the GPU runs this one; the one extra step it may run is undone by HF. ``None`` = on
@@ -54,20 +76,16 @@ class Gemma4OptConfig:
         "flashinfer": FlashInfer's decode, planned on the host before each step. "auto": Triton for
         kinds with head_dim <= 256 (sliding layers), FlashInfer for wider heads (the full layers'
         512). Prefill always runs FlashInfer.
-    decode_buckets: with the paged cache and cuda_graphs, the batch sizes decode graphs are
-        captured for; a batch of B replays the smallest bucket >= B, padded with rows of a dummy
-        sequence whose page is reserved when the pool is created. ``None`` = 1, 2, 4, 8, then
-        steps of 8 up to max_batch_size (which is always a bucket).
     """
 
     patterns: tuple[str, ...] | None = None
     inductor: bool | None = None
     cuda_graphs: bool | None = None
     cache: str = "auto"
-    attention: str = "hf"
+    attention: str = "auto"
     page_size: int = 16
-    max_batch_size: int = 8
-    max_seq_len: int = 2048
+    max_batch_size: int | None = None
+    max_seq_len: int | None = None
     kv_pool_pages: int | None = None
     kv_pool_fraction: float | None = None
     decode_buckets: tuple[int, ...] | None = None
@@ -76,38 +94,23 @@ class Gemma4OptConfig:
     decode_kernel: str = "triton"
 
     def __post_init__(self):
-        if self.patterns is not None:
-            unknown = [p for p in self.patterns if p not in PATTERN_NAMES]
-            if unknown:
-                raise ValueError(
-                    f"Gemma4OptConfig.patterns: unknown pattern(s) {unknown}; supported: {list(PATTERN_NAMES)}"
-                )
-        if self.cache not in _CACHES:
-            raise ValueError(f"Gemma4OptConfig.cache={self.cache!r}; supported: {list(_CACHES)}")
-        if self.attention not in _ATTENTION:
-            raise ValueError(f"Gemma4OptConfig.attention={self.attention!r}; supported: {list(_ATTENTION)}")
-        if self.decode_kernel not in _DECODE_KERNELS:
-            raise ValueError(f"Gemma4OptConfig.decode_kernel={self.decode_kernel!r}; supported: {list(_DECODE_KERNELS)}")
-        if self.decode_buckets is not None and (not self.decode_buckets or min(self.decode_buckets) <= 0):
-            raise ValueError(f"Gemma4OptConfig.decode_buckets={self.decode_buckets!r}: positive batch sizes")
-        if self.kv_pool_fraction is not None and not 0 < self.kv_pool_fraction <= 1:
-            raise ValueError(f"Gemma4OptConfig.kv_pool_fraction={self.kv_pool_fraction!r}: a fraction in (0, 1]")
-        for name in ("page_size", "max_batch_size", "max_seq_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"Gemma4OptConfig.{name} must be positive, got {getattr(self, name)}")
+        _check_fields(self)
 
     def enabled_patterns(self) -> tuple[str, ...]:
         if self.patterns is None:
             return PATTERN_NAMES
         return tuple(p for p in PATTERN_NAMES if p in self.patterns)
 
-    def resolve(self, device_type: str) -> "Gemma4OptConfig":
-        """Fill the ``None``/"auto" fields for a device."""
+    def resolve(self, device_type: str, dtype=None, text_config=None) -> "Gemma4OptConfig":
+        """Fill the ``None``/"auto" fields for a device (and, for attention="auto", a model)."""
         on_cuda = device_type == "cuda"
-        paged = self.attention == "paged"
+        attention = self.attention
+        if attention == "auto":
+            attention = choose_attention(device_type, dtype, text_config)[0]
+        paged = attention == "paged"
         if paged and self.cache == "static":
             raise ValueError("Gemma4OptConfig: cache='static' and attention='paged' exclude each other (the paged "
-                             "cache is the KV cache); use cache='auto' with attention='paged'")
+                             "cache is the KV cache); use cache='auto' with attention='paged', or attention='hf'")
         # The paged cache brings its own KV storage: HF's cache choice does not apply to it.
         cache = self.cache if self.cache != "auto" else ("static" if on_cuda and not paged else "dynamic")
         inductor = bool(self.inductor)
@@ -123,8 +126,88 @@ class Gemma4OptConfig:
                 raise ValueError(f"Gemma4OptConfig.attention='paged' on CUDA needs FlashInfer: {reason}")
         if graphs and not on_cuda:
             raise ValueError("Gemma4OptConfig.cuda_graphs=True needs a CUDA model; this model is on " + device_type)
-        buckets = self.decode_buckets or (1, 2, 4, 8, *range(16, self.max_batch_size + 1, 8))
-        buckets = tuple(sorted({b for b in buckets if b < self.max_batch_size} | {self.max_batch_size}))
+        max_batch = self.max_batch_size or DEFAULT_MAX_BATCH
+        max_seq = self.max_seq_len or int(getattr(text_config, "max_position_embeddings", 0) or 0) or 8192
+        if self.decode_buckets and max(self.decode_buckets) > max_batch:
+            raise ValueError(f"Gemma4OptConfig.decode_buckets={self.decode_buckets}: a bucket is larger than "
+                             f"max_batch_size={max_batch}")
+        # An explicit max_batch_size is always a bucket; unset, graphs stop at DEFAULT_MAX_GRAPH_BATCH.
+        top = max_batch if self.max_batch_size is not None else min(max_batch, DEFAULT_MAX_GRAPH_BATCH)
+        buckets = set(self.decode_buckets or (1, 2, 4, 8, *range(16, top + 1, 8)))
+        buckets = tuple(sorted({b for b in buckets if b < top} | {top} if not self.decode_buckets
+                               or self.max_batch_size is not None else buckets))
+        fraction = self.kv_pool_fraction
+        if fraction is None and self.max_batch_size is None and self.max_seq_len is None:
+            fraction = DEFAULT_KV_POOL_FRACTION
         deferred = on_cuda if self.deferred_stop is None else self.deferred_stop
-        return dataclasses.replace(self, cache=cache, inductor=inductor, cuda_graphs=graphs, decode_buckets=buckets,
-                                   deferred_stop=deferred)
+        return dataclasses.replace(self, attention=attention, cache=cache, inductor=inductor, cuda_graphs=graphs,
+                                   decode_buckets=buckets, deferred_stop=deferred, max_batch_size=max_batch,
+                                   max_seq_len=max_seq, kv_pool_fraction=fraction)
+
+
+def choose_attention(device_type: str, dtype, text_config) -> tuple[str, str]:
+    """attention="auto": ("paged" or "hf", why), the fastest mode that runs this model here."""
+    if device_type != "cuda":
+        return "hf", (f"auto on {device_type}: HF attention (the paged mode's {device_type} path is a reference; "
+                      "on a CPU the optimized model is not faster than eager)")
+    from gemma4opt.attention.flashinfer import available
+    from gemma4opt.runtime.paged_generate import paged_unsupported
+
+    why = available()
+    if why is not None:
+        return "hf", (f"auto on CUDA: HF attention, because the paged mode needs FlashInfer: {why} "
+                      "(pip install 'gemma4opt[gpu]')")
+    why = paged_unsupported(dtype, text_config)
+    if why is not None:
+        return "hf", f"auto on CUDA: HF attention, because {why}"
+    return "paged", "auto on CUDA: paged KV cache (FlashInfer prefill, Triton decode, CUDA graphs)"
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_fields(c: Gemma4OptConfig) -> None:
+    """Types and ranges of every field, each error naming the field and what it accepts."""
+    def fail(name, want, exc=ValueError):
+        raise exc(f"Gemma4OptConfig.{name}={getattr(c, name)!r}: {want}")
+
+    if c.patterns is not None:
+        if isinstance(c.patterns, str) or not isinstance(c.patterns, (tuple, list)):
+            fail("patterns", f"a tuple of pattern names (e.g. ({c.patterns!r},)), or None for all; supported: "
+                             f"{list(PATTERN_NAMES)}", TypeError)
+        if not all(isinstance(p, str) for p in c.patterns):
+            fail("patterns", "every entry must be a pattern name (str)", TypeError)
+        unknown = [p for p in c.patterns if p not in PATTERN_NAMES]
+        if unknown:
+            raise ValueError(f"Gemma4OptConfig.patterns: unknown pattern(s) {unknown}; supported: {list(PATTERN_NAMES)}")
+        object.__setattr__(c, "patterns", tuple(c.patterns))
+    for name, choices in (("cache", _CACHES), ("attention", _ATTENTION), ("decode_kernel", _DECODE_KERNELS)):
+        if getattr(c, name) not in choices:
+            fail(name, f"supported: {list(choices)}", ValueError if isinstance(getattr(c, name), str) else TypeError)
+    for name in ("inductor", "cuda_graphs", "deferred_stop"):
+        if getattr(c, name) is not None and not isinstance(getattr(c, name), bool):
+            fail(name, "True, False or None (automatic)", TypeError)
+    if not isinstance(c.fast_replan, bool):
+        fail("fast_replan", "True or False", TypeError)
+    for name, low, optional in (("page_size", 1, False), ("max_batch_size", 1, True), ("max_seq_len", 1, True),
+                                ("kv_pool_pages", 2, True)):
+        v = getattr(c, name)
+        if v is None and optional:
+            continue
+        if not _is_int(v):
+            fail(name, "an int" + (" or None (automatic)" if optional else ""), TypeError)
+        if v < low:
+            fail(name, f"must be >= {low}" + (" (the padding page and at least one more)" if low == 2 else "")
+                 + ("; None means automatic" if optional else ""))
+    if c.kv_pool_fraction is not None:
+        if isinstance(c.kv_pool_fraction, bool) or not isinstance(c.kv_pool_fraction, (int, float)):
+            fail("kv_pool_fraction", "a fraction in (0, 1] or None", TypeError)
+        if not 0 < c.kv_pool_fraction <= 1:
+            fail("kv_pool_fraction", "a fraction in (0, 1]")
+    if c.decode_buckets is not None:
+        if isinstance(c.decode_buckets, (str, int)) or not isinstance(c.decode_buckets, (tuple, list)):
+            fail("decode_buckets", "a tuple of batch sizes (e.g. (1, 2, 4, 8)) or None", TypeError)
+        if not c.decode_buckets or not all(_is_int(b) and b > 0 for b in c.decode_buckets):
+            fail("decode_buckets", "positive batch sizes (ints)")
+        object.__setattr__(c, "decode_buckets", tuple(c.decode_buckets))

@@ -37,6 +37,7 @@ class Report:
     graph_key_changes: dict[str, int] = field(default_factory=dict)
     decode_gemms: str = ""      # gemma4opt.linear's picks so far (this process)
     decode_experts: str = ""    # gemma4opt.moe_experts' picks so far (this process)
+    mode: str = ""              # which attention mode runs, and why (attention="auto" says)
 
     def row(self, pattern: str) -> PatternRow:
         return next(r for r in self.rows if r.pattern == pattern)
@@ -51,6 +52,8 @@ class Report:
         if self.graph_key_changes:
             lines.append("  decode steps that missed a captured graph, by input: " + ", ".join(
                 f"{k}: {v}" for k, v in sorted(self.graph_key_changes.items(), key=lambda kv: -kv[1])))
+        if self.mode:
+            lines.append(f"  mode: {self.mode}")
         lines.append(f"  attention: {self.attention}")
         lines.append(f"  generate stop check: {self.stop_check}")
         if self.decode_gemms:
@@ -107,7 +110,8 @@ def build_report(model) -> Report:
                   state.compiled_calls, state.graphed_calls, dict(state.fallbacks), rows, attention,
                   state.graph_captures, state.graph_warmups, state.stop_check, dict(state.graph_key_changes),
                   _decode_gemms() if "decode_linear" in state.stats else "",
-                  _decode_experts() if state.stats.get("moe_experts") and state.stats["moe_experts"].expected else "")
+                  _decode_experts() if state.stats.get("moe_experts") and state.stats["moe_experts"].expected else "",
+                  state.mode_reason)
 
 
 def _picks_line(op, kernel: str, other: str, unit: str, untimed: str) -> str:

@@ -31,7 +31,7 @@ _GROUPS = {"Gemma4TextAttention": ("q_proj", "k_proj", "v_proj"), "Gemma4TextMLP
 def _merge(module: torch.nn.Module, names: tuple[str, ...]) -> None:
     linears = [getattr(module, n, None) for n in names]
     linears = [lin for lin in linears if lin is not None]
-    if len(linears) < 2 or any(lin.bias is not None for lin in linears) or hasattr(module, MERGED_ATTR):
+    if len(linears) < 2 or any(lin.bias is not None for lin in linears) or _views_of(module, linears):
         return
     with torch.no_grad():
         merged = torch.cat([lin.weight for lin in linears], dim=0)
@@ -41,6 +41,18 @@ def _merge(module: torch.nn.Module, names: tuple[str, ...]) -> None:
         lin.weight = torch.nn.Parameter(merged[start:start + rows], requires_grad=lin.weight.requires_grad)
         start += rows
     setattr(module, MERGED_ATTR, merged)   # a plain attribute: not a parameter, not in state_dict
+
+
+def _views_of(module, linears) -> bool:
+    """True when the weights are still views into the module's merged weight. A ``.to()`` (or any
+    move) after optimize() gives each weight its own storage and leaves the merged one behind:
+    then it is merged again, on the new device and dtype."""
+    merged = getattr(module, MERGED_ATTR, None)
+    if merged is None:
+        return False
+    base = merged.untyped_storage().data_ptr()
+    return all(lin.weight.untyped_storage().data_ptr() == base and lin.weight.dtype == merged.dtype
+               for lin in linears)
 
 
 class MergedProjectionsPattern(Pattern):

@@ -1,8 +1,9 @@
 """The attention function HF's Gemma-4 layers call when an optimized model runs on a paged cache.
 
-Registered once in transformers' AttentionInterface under ATTN_NAME (its extension point; no
-HF class is patched) and selected on the optimized model's own config. Outside a paged step
-(no paged cache, HF fallbacks without one) it is plain SDPA.
+Registered in transformers' AttentionInterface under ATTN_NAME (its extension point; no HF
+class is patched). It is selected only on the optimized model's own copy of its config, and
+only for the length of a call on a paged cache (runtime.paged_generate.paged_attention_on);
+every other call, and every other model, runs its own attention implementation.
 """
 from __future__ import annotations
 

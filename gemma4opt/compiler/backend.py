@@ -8,19 +8,21 @@ from gemma4opt.compiler.constants import hoist_tensor_literals
 from gemma4opt.compiler.pass_manager import PassManager
 
 
-def make_backend(state, lower: bool, cuda_graphs: bool = False, root: torch.nn.Module | None = None):
+def make_backend(state, lower: bool, cuda_graphs: bool = False, root: torch.nn.Module | None = None,
+                 paged: bool = True):
     """A Dynamo backend bound to one optimized model's state (see gemma4opt.api).
 
     lower: hand the rewritten graph to Inductor; otherwise run it as captured (gemma4opt ops +
     aten calls). cuda_graphs: replay it as CUDA graphs (decode on a static cache), lowered by
     Inductor (cudagraph trees) or as captured (gemma4opt.runtime.decode_graphs, needs ``root``:
-    its parameters and buffers are the graph's fixed-address inputs).
+    its parameters and buffers are the graph's fixed-address inputs). paged=False: graphs of calls
+    without a paged cache, which the paged-only patterns skip.
     """
 
     def gemma4opt_backend(gm: fx.GraphModule, example_inputs):
         index = state.graphs_compiled
         state.graphs_compiled += 1
-        state.pass_manager.run(gm, index)
+        state.pass_manager.run(gm, index, paged=paged)
         if not lower:       # Inductor folds these itself
             hoist_tensor_literals(gm)
         if cuda_graphs and not lower:

@@ -30,11 +30,14 @@ class PassManager:
         self.explain_dir: str | None = None
         self.op_counts: list[collections.Counter] = []   # gemma4opt ops in each rewritten graph
 
-    def run(self, gm: fx.GraphModule, graph_index: int) -> fx.GraphModule:
+    def run(self, gm: fx.GraphModule, graph_index: int, paged: bool = True) -> fx.GraphModule:
+        """paged=False: a graph with HF's attention (no paged cache): paged-only patterns skip it."""
         ctx: PassContext = self.ctx_factory(gm)
         self._dump(gm, graph_index, 0, "captured")
         drop_dead_views(gm.graph)       # so the patterns' user counts see only live uses
         for i, pattern in enumerate(self.patterns, start=1):
+            if pattern.paged_only and not paged:
+                continue
             result = pattern.apply(gm, ctx)
             gm.graph.lint()
             gm.recompile()

@@ -2,6 +2,7 @@
 and prepare each forward's page metadata on the host before the compiled graph runs."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -12,21 +13,29 @@ from gemma4opt.runtime.step_inputs import cache_of, step_input
 FLASHINFER_HEAD_DIMS = (64, 128, 256, 512)
 
 
+def paged_unsupported(dtype, text_config) -> str | None:
+    """Why FlashInfer cannot run this model's paged attention on CUDA, or None."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return (f"FlashInfer supports float16 and bfloat16 and this model is {dtype}: cast it "
+                "(model.to(torch.bfloat16)) or use attention='hf'")
+    dims = sorted({lc.head_dim for lc in getattr(text_config, "per_layer_config", None) or ()})
+    bad = [d for d in dims if d not in FLASHINFER_HEAD_DIMS]
+    if bad:
+        return (f"head_dim {bad} is not one FlashInfer's paged kernels are built for {list(FLASHINFER_HEAD_DIMS)}; "
+                "use attention='hf' for this model")
+    return None
+
+
 def check_paged_supported(device, dtype, text_config) -> None:
     """Refuse, before the model changes, what FlashInfer cannot run (the CPU reference runs anything)."""
     if device.type != "cuda":
         return
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"Gemma4OptConfig.attention='paged' on CUDA runs FlashInfer, which supports float16 and "
-                         f"bfloat16; this model is {dtype}: cast it (model.to(torch.bfloat16)) or use attention='hf'")
-    dims = sorted({lc.head_dim for lc in getattr(text_config, "per_layer_config", None) or ()})
-    bad = [d for d in dims if d not in FLASHINFER_HEAD_DIMS]
-    if bad:
-        raise ValueError(f"Gemma4OptConfig.attention='paged' on CUDA: head_dim {bad} is not one FlashInfer's paged "
-                         f"kernels are built for {list(FLASHINFER_HEAD_DIMS)}; use attention='hf' for this model")
+    why = paged_unsupported(dtype, text_config)
+    if why is not None:
+        raise ValueError(f"Gemma4OptConfig.attention='paged' on CUDA: {why}")
 
 
-def install_paged(model, target, state, device, dtype) -> None:
+def install_paged(model, target, state, device, dtype, edits) -> None:
     """Paged attention for this instance: KV pool, attention function, and a generate that brings the cache."""
     from gemma4opt.attention import interface
     from gemma4opt.attention.cache import PagedCache
@@ -37,8 +46,7 @@ def install_paged(model, target, state, device, dtype) -> None:
     state.context = ctx
     for module in target.modules():
         if type(module).__name__ == "Gemma4TextAttention":
-            module._gemma4opt_ctx = ctx
-    state.text_config._attn_implementation = interface.ATTN_NAME
+            edits.set(module, "_gemma4opt_ctx", ctx)
     cache_kw = "cache" if "cache" in inspect.signature(state.original_forward).parameters else "past_key_values"
     original_generate = model.generate
 
@@ -54,7 +62,7 @@ def install_paged(model, target, state, device, dtype) -> None:
         finally:
             cache.release()                                 # pages go back even when generate raises
 
-    model.generate = generate
+    edits.set(model, "generate", generate)
     if target is not model:
         # Gemma4ForConditionalGeneration: its own forward sees the 2-D mask and the cache and builds
         # the text model's mask mapping (image tokens included), so the step starts there.
@@ -62,10 +70,35 @@ def install_paged(model, target, state, device, dtype) -> None:
 
         @functools.wraps(outer)
         def forward(*args, **kwargs):
-            begin_paged_step(ctx, args, kwargs, replace_mask=False)
-            return outer(*args, **kwargs)
+            if not is_paged(cache_of(kwargs)):
+                return outer(*args, **kwargs)
+            with paged_attention_on(state):
+                begin_paged_step(ctx, args, kwargs, replace_mask=False)
+                return outer(*args, **kwargs)
 
-        model.forward = forward
+        edits.set(model, "forward", forward)
+
+
+def is_paged(cache) -> bool:
+    from gemma4opt.attention.cache import PagedCache
+
+    return isinstance(cache, PagedCache)
+
+
+@contextlib.contextmanager
+def paged_attention_on(state):
+    """The model's (own) text config names gemma4opt's paged attention for the length of a call
+    on a paged cache, and the model's own implementation otherwise: calls without a paged cache
+    get HF's attention function and HF's masks (an unknown name would get no mask at all)."""
+    from gemma4opt.attention.interface import ATTN_NAME
+
+    cfg = state.text_config
+    before = cfg._attn_implementation
+    cfg._attn_implementation = ATTN_NAME
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = before
 
 
 def begin_paged_step(ctx, args, kwargs, replace_mask: bool = True) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 
 
-def install_static_cache_reuse(model, state) -> None:
+def install_static_cache_reuse(model, state, edits) -> None:
     original = getattr(model, "_prepare_static_cache", None)
     if original is None:          # a transformers version without this hook: HF's own caches
         return
@@ -32,4 +32,4 @@ def install_static_cache_reuse(model, state) -> None:
         state.static_cache = (key, cache)
         return cache
 
-    model._prepare_static_cache = prepare_static_cache
+    edits.set(model, "_prepare_static_cache", prepare_static_cache)

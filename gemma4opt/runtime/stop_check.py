@@ -8,20 +8,21 @@ the flag is copied to pinned memory asynchronously and read one step later, the 
 step it may run is undone (``_undo_generation_steps``: ids, scores, logits; the streamer never
 sees it), and ``max_length`` is still checked exactly on the host. HF enables it on "mps" only.
 
-We enable it for CUDA, for optimized models only: ``DeferredStopCheck.is_supported`` gets a
-wrapper that answers as HF would for an "mps" device while a gemma4opt model's ``generate`` is
-running (a context variable set by that instance's ``generate``) and exactly as before
-otherwise, so every other model, thread and task keeps HF's behaviour. HF's other conditions
-stay in force: not for assisted decoding, and a cache that generate returns must be croppable.
+We enable it for CUDA, for optimized models only, without touching transformers: this
+instance's ``generate`` hands HF, for greedy and sampling calls that bring no decoding method
+of their own, a ``custom_generate`` that is HF's own ``_sample`` function (same code object)
+whose globals see a ``DeferredStopCheck`` subclass answering for a CUDA device as HF answers
+for "mps". No class, module attribute or registry changes, so every other model, thread and
+task keeps HF's behaviour. HF's other conditions stay in force: not for assisted decoding, and
+a cache that generate returns must be croppable.
 """
 from __future__ import annotations
 
-import contextvars
 import functools
+import types
+import warnings
 
 import torch
-
-_ACTIVE = contextvars.ContextVar("gemma4opt_deferred_stop_check", default=False)
 
 
 def _stop_check_class():
@@ -32,36 +33,57 @@ def _stop_check_class():
     return getattr(utils, "DeferredStopCheck", None)
 
 
-def _install_gate(cls) -> None:
-    original = cls.is_supported
-    if getattr(original, "_gemma4opt_gate", False):
-        return
-
-    @functools.wraps(original)
-    def is_supported(device, cache, cache_is_returned, is_assistant):
-        if _ACTIVE.get() and torch.device(device).type == "cuda":
-            device = torch.device("mps")     # HF's gate is the device type; its other checks still apply
-        return original(device, cache, cache_is_returned, is_assistant)
-
-    is_supported._gemma4opt_gate = True
-    cls.is_supported = staticmethod(is_supported)
-
-
-def install_deferred_stop_check(model) -> str:
-    """Make this instance's generate defer HF's stop check; returns how the stop check runs."""
+def deferred_sample():
+    """HF's ``_sample`` with a CUDA-deferring DeferredStopCheck in its globals, or None when this
+    transformers has no such check (or ``_sample`` does not use it)."""
     cls = _stop_check_class()
-    if cls is None or not callable(getattr(cls, "is_supported", None)):
+    from transformers.generation.utils import GenerationMixin
+
+    sample = getattr(GenerationMixin, "_sample", None)
+    if cls is None or not isinstance(sample, types.FunctionType) or "DeferredStopCheck" not in sample.__code__.co_names:
+        return None
+
+    class CudaDeferredStopCheck(cls):
+        @staticmethod
+        def is_supported(device, cache, cache_is_returned, is_assistant):
+            if torch.device(device).type == "cuda":
+                device = torch.device("mps")     # HF's gate is the device type; its other checks still apply
+            return cls.is_supported(device, cache, cache_is_returned, is_assistant)
+
+    scope = dict(sample.__globals__, DeferredStopCheck=CudaDeferredStopCheck)
+    fn = types.FunctionType(sample.__code__, scope, sample.__name__, sample.__defaults__, sample.__closure__)
+    fn.__kwdefaults__ = sample.__kwdefaults__
+    fn.__qualname__ = sample.__qualname__
+    return functools.update_wrapper(fn, sample, updated=())
+
+
+def _is_sample_mode(model, kwargs) -> bool:
+    """HF's own answer: does this call decode greedily or by sampling (HF's ``_sample``)?"""
+    from transformers.generation.configuration_utils import GenerationMode
+
+    rest = {k: v for k, v in kwargs.items() if k != "generation_config"}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gen, _ = model._prepare_generation_config(kwargs.get("generation_config"), **rest)
+        mode = gen.get_generation_mode(kwargs.get("assistant_model"))
+    except Exception:      # noqa: BLE001  (HF raises its own error for bad arguments in generate itself)
+        return False
+    return mode in (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH)
+
+
+def install_deferred_stop_check(model, edits) -> str:
+    """Make this instance's generate defer HF's stop check; returns how the stop check runs."""
+    sample = deferred_sample()
+    if sample is None:
         return "per step (this transformers has no DeferredStopCheck)"
-    _install_gate(cls)
     original = model.generate
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        token = _ACTIVE.set(True)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _ACTIVE.reset(token)
+        if kwargs.get("custom_generate") is None and _is_sample_mode(model, kwargs):
+            kwargs["custom_generate"] = sample
+        return original(*args, **kwargs)
 
-    model.generate = generate
+    edits.set(model, "generate", generate)
     return "deferred one step (HF DeferredStopCheck, enabled on CUDA for this model)"
