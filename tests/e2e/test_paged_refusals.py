@@ -11,7 +11,7 @@ CUDA = torch.device("cuda")
 
 def test_float32_is_refused_on_cuda_only():
     cfg = tiny().config
-    with pytest.raises(ValueError, match="float16 and bfloat16; this model is torch.float32"):
+    with pytest.raises(ValueError, match="float16 and bfloat16 and this model is torch.float32"):
         check_paged_supported(CUDA, torch.float32, cfg)
     check_paged_supported(torch.device("cpu"), torch.float32, cfg)     # the reference runs it
 
