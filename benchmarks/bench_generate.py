@@ -65,8 +65,10 @@ def measure(model, ids, new, device, repeats, **kw):
     return t_first, (t_all - t_first) / max(new - 1, 1), out, t_warm
 
 
-# gemma4opt variants: the default, and decode graphs lowered by Inductor or replayed as captured.
-GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-inductor": dict(inductor=True),
+# gemma4opt variants. "gemma4opt" is the one-liner, optimize(model) with every default (on CUDA the
+# paged mode with sizes taken from the model and the free memory); "gemma4opt-paged" is the paged
+# mode sized for exactly this run (max_batch_size, max_seq_len); "gemma4opt-hf" HF attention + cache.
+GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gemma4opt-inductor": dict(inductor=True),
                      "gemma4opt-captured": dict(inductor=False), "gemma4opt-paged": dict(attention="paged"),
                      # The paged cache with FlashInfer's planned decode instead of the Triton kernel.
                      "gemma4opt-paged-fi": dict(attention="paged", decode_kernel="flashinfer"),
@@ -109,7 +111,7 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         sys_model = model if i == len(args.systems) - 1 else copy.deepcopy(model)
         opts = dict(GEMMA4OPT_SYSTEMS[system])
         set_pdl(opts.pop("pdl", PDL_DEFAULT))      # read at each launch: off for this system's whole run
-        if opts.get("attention") == "paged":     # a pool for exactly this run's batches and lengths
+        if opts.get("attention") == "paged":     # tuned: a pool for exactly this run's batches and lengths
             opts.update(max_batch_size=max(args.batch), max_seq_len=args.prompt + args.new + 16)
         gemma4opt.optimize(sys_model, gemma4opt.Gemma4OptConfig(**opts))
     for b in args.batch:
@@ -120,7 +122,10 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         row = dict(preset=args.preset, layers=cfg.num_hidden_layers, batch=b, prompt=args.prompt, new=args.new,
                    system=system, warmup_s=warm, ttft_ms=ttft, ms_per_step=ms, tok_s=b * 1e3 / ms, roofline_ms=roof[b],
                    roofline_frac=roof[b] / ms, tokens_equal_eager=same)
-        ctx = getattr(getattr(sys_model, "_gemma4opt", None), "context", None)
+        state = getattr(sys_model, "_gemma4opt", None)
+        if state is not None:
+            row["mode"] = state.mode_reason
+        ctx = getattr(state, "context", None)
         if ctx is not None and ctx.last_kv_held[1]:       # paged: KV a sequence held at the end of generate
             row["kv_mib_per_seq"] = ctx.last_kv_held[0] / ctx.last_kv_held[1] / 2**20
         print(_line(row, res), flush=True)

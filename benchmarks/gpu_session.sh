@@ -37,6 +37,10 @@ stage() {
 PYTEST="python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short"
 for s in "$@"; do
   case $s in
+    # The one-liner (optimize(model), every default) first on a fresh machine, so its warm-up column
+    # includes FlashInfer's JIT; then the paged mode sized for the run, HF static + compile, HF eager.
+    oneliner) stage oneliner 560 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 32 \
+            --systems gemma4opt gemma4opt-paged static_compile eager --json "$OUT/oneliner.jsonl" ;;
     tests) stage tests 150 $PYTEST tests/gpu/test_gpu_generate.py -k "captured" ;;
     gen1) stage gen1 330 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 \
             --systems gemma4opt eager static_compile --json "$OUT/gen.jsonl" ;;

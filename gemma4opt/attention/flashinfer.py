@@ -18,13 +18,17 @@ plan of that wrapper waits on it if, and only if, the GPU has not reached it yet
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import numpy as np
 import torch
 
+from gemma4opt.progress import timed
+
 _PLANS: dict[int, "KindPlan"] = {}
 _keys = itertools.count()
+_FIRST_PLANS: set[tuple] = set()   # kernel configurations planned once in this process
 WORKSPACE_BYTES = 256 << 20     # FlashInfer's float scratch, at least (prefill's split-KV partials)
 
 
@@ -144,11 +148,17 @@ class KindPlan:
                          window_left=self.window_left, sm_scale=self.scale, q_data_type=self.dtype,
                          kv_data_type=self.dtype, non_blocking=True, seq_lens=kv_lens, max_token_per_sequence=max_q)
 
-        if graph and self.replan is not None:      # a decode graph's step: fixed buffers, one query per row
-            self.replan.plan(wrapper, full_plan, (h, kvh, d, self.page_size, self.window_left), qo_indptr, kv_indptr,
-                             kv_indices, kv_last_page_len, kv_lens)
-        else:
-            full_plan()
+        # FlashInfer JIT-compiles a kernel configuration on its first use (~30 s on a fresh machine).
+        first = (h, kvh, d, getattr(wrapper, "_backend", None), graph) not in _FIRST_PLANS
+        _FIRST_PLANS.add((h, kvh, d, getattr(wrapper, "_backend", None), graph))
+        note = (timed(f"FlashInfer attention, {h} heads / {kvh} KV heads / head_dim {d}: first plan (JIT-compiles "
+                      "kernels not yet cached)") if first else contextlib.nullcontext())
+        with note:
+            if graph and self.replan is not None:      # a decode graph's step: fixed buffers, one query per row
+                self.replan.plan(wrapper, full_plan, (h, kvh, d, self.page_size, self.window_left), qo_indptr,
+                                 kv_indptr, kv_indices, kv_last_page_len, kv_lens)
+            else:
+                full_plan()
         if self.workspace.is_cuda:
             ev = torch.cuda.Event()
             ev.record()

@@ -6,6 +6,7 @@ import torch.fx as fx
 
 from gemma4opt.compiler.constants import hoist_tensor_literals
 from gemma4opt.compiler.pass_manager import PassManager
+from gemma4opt.progress import timed
 
 
 def make_backend(state, lower: bool, cuda_graphs: bool = False, root: torch.nn.Module | None = None,
@@ -22,7 +23,9 @@ def make_backend(state, lower: bool, cuda_graphs: bool = False, root: torch.nn.M
     def gemma4opt_backend(gm: fx.GraphModule, example_inputs):
         index = state.graphs_compiled
         state.graphs_compiled += 1
-        state.pass_manager.run(gm, index, paged=paged)
+        kind = "decode (CUDA graphs)" if cuda_graphs else ("paged" if paged and state.context is not None else "forward")
+        with timed(f"rewriting captured graph {index} ({kind}, {len(gm.graph.nodes)} nodes)"):
+            state.pass_manager.run(gm, index, paged=paged)
         if not lower:       # Inductor folds these itself
             hoist_tensor_literals(gm)
         if cuda_graphs and not lower:

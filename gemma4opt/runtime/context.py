@@ -12,6 +12,7 @@ import torch
 
 from gemma4opt.attention.pages import PagedSequences, PagePool, StepMeta
 from gemma4opt.attention.staging import HostStaging
+from gemma4opt.config import CPU_KV_POOL_BYTES
 from gemma4opt.runtime.decode_graphs import mark_fixed
 
 KINDS = ("sliding_attention", "full_attention")
@@ -46,17 +47,18 @@ def free_device_memory(device) -> int | None:
 
 
 def pool_pages(cfg, oc, dtype, free_bytes: int | None) -> int:
-    """Pages per attention kind: kv_pool_pages, else max_batch_size full-length sequences, capped
-    by kv_pool_fraction of ``free_bytes``; refused with the sizes when it cannot fit at all."""
+    """Pages per attention kind: kv_pool_pages; else max_batch_size full-length sequences, capped at
+    kv_pool_fraction of ``free_bytes`` (GPU) or at CPU_KV_POOL_BYTES (``free_bytes`` None: CPU);
+    without a fraction, refused with the sizes when they cannot fit in 90 % of ``free_bytes``."""
     if oc.kv_pool_pages:
         return oc.kv_pool_pages
     pages = oc.max_batch_size * (-(-oc.max_seq_len // oc.page_size) + 1)
-    if free_bytes is None:
-        return pages
     elem = dtype.itemsize
     page_bytes = sum(2 * oc.page_size * cfg.per_layer_config[layer].num_key_value_heads
                      * cfg.per_layer_config[layer].head_dim * elem
                      for layer, owner in kv_producers(cfg).items() if layer == owner)   # one page, every layer
+    if free_bytes is None:
+        return max(2, min(pages, CPU_KV_POOL_BYTES // page_bytes))
     if oc.kv_pool_fraction is not None:
         fit = int(oc.kv_pool_fraction * free_bytes // page_bytes)
         if fit < 2:           # the padding row's page and at least one more

@@ -21,6 +21,8 @@ import weakref
 import torch
 import torch.fx as fx
 
+from gemma4opt.progress import timed
+
 _cuda = torch.cuda      # one name for the CUDA calls below (the CPU tests stand them in)
 WARMUP_CALLS = 1
 MAX_GRAPHS = 16     # captures kept per graph (cache objects x shapes); the oldest is dropped past it
@@ -154,7 +156,8 @@ class GraphedDecode:
             if n < WARMUP_CALLS:
                 self.state.graph_warmups += 1
                 return self._warmup(args)
-            cap = self._capture(args)
+            with timed(f"capturing decode CUDA graph {self.state.graph_captures} (batch {_batch(args)})"):
+                cap = self._capture(args)
             self.state.graph_captures += 1
             if len(self.graphs) >= MAX_GRAPHS:
                 self.graphs.pop(next(iter(self.graphs)))
@@ -194,6 +197,12 @@ class GraphedDecode:
         # Keep only the per-step buffers: holding the fixed inputs would keep every old cache
         # alive. A capture is replayed only when the fixed inputs sit at the same addresses again.
         return _Captured(graph, {i: inputs[i] for i in self.moving}, outputs)
+
+
+def _batch(args) -> int | str:
+    """The batch a decode graph is captured for (its token input's first dim), for progress notes."""
+    ids = next((a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.long and a.dim() == 2), None)
+    return ids.shape[0] if ids is not None else "?"
 
 
 def graphed_decode(state, root: torch.nn.Module, gm, example_inputs) -> GraphedDecode:

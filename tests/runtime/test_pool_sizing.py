@@ -65,3 +65,33 @@ def test_capped_pool_runs_generate_and_reports_exhaustion(monkeypatch):
 def test_fraction_is_validated(bad):
     with pytest.raises(ValueError, match="kv_pool_fraction"):
         Gemma4OptConfig(kv_pool_fraction=bad)
+
+
+def test_unset_sizes_take_the_model_context_and_half_the_free_memory():
+    model = tiny("tiny")
+    cfg = model.config
+    auto = Gemma4OptConfig(attention="paged", page_size=4).resolve("cpu", torch.float32, cfg)
+    assert auto.max_seq_len == cfg.max_position_embeddings and auto.max_batch_size == 256
+    assert auto.kv_pool_fraction == 0.5 and auto.decode_buckets[-1] == 64
+    probe = tiny("tiny")
+    gemma4opt.optimize(probe, CFG)
+    page = _page_bytes(probe)
+    assert pool_pages(cfg, auto, torch.float32, 1000 * page) == 500                    # half of what is free
+    need = 256 * (cfg.max_position_embeddings // 4 + 1)
+    assert pool_pages(cfg, auto, torch.float32, 10 * need * page) == need             # never more than needed
+    # CPU (no device to measure): capped at CPU_KV_POOL_BYTES.
+    assert pool_pages(cfg, auto, torch.float32, None) == min(need, context.CPU_KV_POOL_BYTES // page)
+    # Explicit sizes keep their meaning: exactly max_batch_size full-length sequences.
+    sized = Gemma4OptConfig(attention="paged", page_size=4, max_batch_size=2, max_seq_len=40).resolve("cpu")
+    assert sized.kv_pool_fraction is None and pool_pages(cfg, sized, torch.float32, 1000 * page) == 2 * 11
+
+
+def test_optimize_without_sizes_runs_paged_generate():
+    model = tiny("tiny")
+    ref = __import__("copy").deepcopy(model)
+    gemma4opt.optimize(model, Gemma4OptConfig(attention="paged"))
+    ids = prompt(2, 11)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False),
+                           ref.generate(ids, max_new_tokens=5, do_sample=False))
+    assert "paged" in gemma4opt.report(model, print_table=False).attention
