@@ -90,9 +90,9 @@ def build_report(model) -> Report:
         counts = state.pass_manager.op_counts
         calls = counts[-1]["gemma4opt.paged_attention"] if counts else 0
         held, seqs = ctx.last_kv_held
-        last = f"; the last generate held {held / 2**20:.1f} MiB at its end ({held / max(seqs, 1) / 2**20:.2f} MiB per sequence)" \
-            if seqs else ""
-        attention = (f"paged (page size {ctx.page_size}; {pools}; {ctx.kv_bytes_held() / 2**20:.1f} MiB of KV "
+        last = (f"; the last generate held {format_bytes(held)} at its end "
+                f"({format_bytes(held / max(seqs, 1))} per sequence)") if seqs else ""
+        attention = (f"paged (page size {ctx.page_size}; {pools}; {format_bytes(ctx.kv_bytes_held())} of KV "
                      f"held{last}; last graph: {calls}/{state.text_config.num_hidden_layers} layers call "
                      f"gemma4opt.paged_attention)")
         triton = {k: p.triton_steps for k, p in ctx.plans.items() if p.triton_decode}
@@ -106,12 +106,31 @@ def build_report(model) -> Report:
                    if p.replan is not None and p.replan.fast_plans + p.replan.full_plans}
         if replans:
             attention += "; decode-graph plans: " + ", ".join(f"{k.split('_')[0]}: {v}" for k, v in replans.items())
+    device = _device_type(model)
     return Report(state.model_class, state.scope, state.disabled_reason, state.graphs_compiled,
                   state.compiled_calls, state.graphed_calls, dict(state.fallbacks), rows, attention,
                   state.graph_captures, state.graph_warmups, state.stop_check, dict(state.graph_key_changes),
-                  _decode_gemms() if "decode_linear" in state.stats else "",
-                  _decode_experts() if state.stats.get("moe_experts") and state.stats["moe_experts"].expected else "",
-                  state.mode_reason)
+                  _decode_gemms(device) if "decode_linear" in state.stats else "",
+                  _decode_experts(device) if state.stats.get("moe_experts") and state.stats["moe_experts"].expected
+                  else "", state.mode_reason)
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit that keeps it at least 1: ``0 B``, ``512 B``,
+    ``1.5 KiB``, ``12.3 MiB``, ``2.0 GiB`` (whole bytes below 1 KiB, one decimal above)."""
+    if round(n) < 1024:
+        return f"{round(n)} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if round(n, 1) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def _device_type(model) -> str:
+    """The device type the model's parameters are on ("cuda", "cpu", "meta")."""
+    param = next(model.parameters(), None)
+    return param.device.type if param is not None else "cpu"
 
 
 def _picks_line(op, kernel: str, other: str, unit: str, untimed: str) -> str:
@@ -128,11 +147,19 @@ def _picks_line(op, kernel: str, other: str, unit: str, untimed: str) -> str:
     return text
 
 
-def _decode_gemms() -> str:
+def _reference_line(device: str, what: str, picks: str) -> str:
+    """The picks line off CUDA: the ops run their plain-torch reference there, nothing is timed."""
+    return f"reference ops ({device.upper()}): {what}; per-shape {picks} picks apply on CUDA only"
+
+
+def _decode_gemms(device: str) -> str:
+    """The report line for ``gemma4opt.linear`` (and ``linear_softcap``) on a model on ``device``."""
     from gemma4opt.ops import linear
 
     from gemma4opt.ops import linear_softcap
 
+    if device != "cuda":        # the ops' CPU/meta kernels: F.linear (then tanh * cap), never timed
+        return _reference_line(device, "F.linear (lm_head: F.linear then the softcap in torch)", "GEMM")
     text = _picks_line(linear, "the skinny Triton GEMM", "cuBLAS", "rows",
                        "no shape of <= 32 rows timed yet (cuBLAS until one is)")
     if linear_softcap.picks():
@@ -141,9 +168,12 @@ def _decode_gemms() -> str:
     return text
 
 
-def _decode_experts() -> str:
+def _decode_experts(device: str) -> str:
+    """The report line for ``gemma4opt.moe_experts`` on a model on ``device``."""
     from gemma4opt.ops import moe_experts
 
+    if device != "cuda":        # the op's non-CUDA kernel calls the model's own experts module
+        return _reference_line(device, "HF's experts path", "decode-kernel")
     return _picks_line(moe_experts, "gemma4opt's decode kernels", "HF's experts path", "tokens",
                        "no decode shape timed yet (HF's experts path until one is)")
 

@@ -28,6 +28,7 @@ class PassManager:
         self.ctx_factory = ctx_factory
         self.stats = stats
         self.explain_dir: str | None = None
+        self.explain_first_graph = 0    # graph index that explain() writes as graph00 (its files count from 0)
         self.op_counts: list[collections.Counter] = []   # gemma4opt ops in each rewritten graph
 
     def run(self, gm: fx.GraphModule, graph_index: int, paged: bool = True) -> fx.GraphModule:
@@ -54,6 +55,7 @@ class PassManager:
     def _dump(self, gm: fx.GraphModule, graph_index: int, step: int, label: str) -> None:
         if not self.explain_dir:
             return
-        path = os.path.join(self.explain_dir, f"graph{graph_index:02d}_{step:02d}_{label}.py")
+        index = graph_index - self.explain_first_graph
+        path = os.path.join(self.explain_dir, f"graph{index:02d}_{step:02d}_{label}.py")
         with open(path, "w") as f:
             f.write(gm.print_readable(print_output=False))

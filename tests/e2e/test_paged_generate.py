@@ -6,6 +6,7 @@ import torch
 import gemma4opt
 from gemma4opt import Gemma4OptConfig
 from gemma4opt.attention.pages import PoolExhausted
+from gemma4opt.report import format_bytes
 from tests.models import VARIANTS, WINDOW, prompt, tiny
 
 PAGED = Gemma4OptConfig(attention="paged", page_size=4, max_seq_len=96, max_batch_size=4)
@@ -68,7 +69,9 @@ def test_sliding_pages_are_freed_during_long_generation():
     want = sum(b * held["sliding" if ctx.layer_kind[layer] == "sliding_attention" else "full"][-1]
                for layer, b in page_bytes.items())
     assert ctx.last_kv_held == (want, 1)
-    assert f"({want / 2**20:.2f} MiB per sequence)" in gemma4opt.report(model, print_table=False).attention
+    # In bytes by size (tests/test_report.py checks format_bytes): a tiny model's KiB, not "0.00 MiB".
+    attention = gemma4opt.report(model, print_table=False).attention
+    assert f"({format_bytes(want)} per sequence)" in attention and "0.0 MiB" not in attention
 
 
 def test_pool_exhaustion_is_a_clear_error_and_pages_come_back():

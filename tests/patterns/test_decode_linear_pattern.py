@@ -76,13 +76,13 @@ def test_report_line_counts_the_picks(monkeypatch):
 
     monkeypatch.setattr(linear_op.SHAPES, "chosen", {})
     monkeypatch.setattr(linear_op.SHAPES, "failed", {})
-    assert "no shape" in _decode_gemms()
+    assert "no shape" in _decode_gemms("cuda")
     monkeypatch.setattr(linear_op.SHAPES, "chosen", {(1, 8, 4, None, 0): True, (8, 8, 4, None, 0): False})
-    assert _decode_gemms().startswith("the skinny Triton GEMM on 1 of 2 shapes timed (rows [1, 8])")
+    assert _decode_gemms("cuda").startswith("the skinny Triton GEMM on 1 of 2 shapes timed (rows [1, 8])")
     from gemma4opt.ops import linear_softcap
 
     monkeypatch.setattr(linear_softcap.SHAPES, "chosen", {})
-    assert "lm_head" not in _decode_gemms()
+    assert "lm_head" not in _decode_gemms("cuda")
 
 
 def test_report_line_counts_the_lm_head_picks(monkeypatch):
@@ -92,7 +92,7 @@ def test_report_line_counts_the_lm_head_picks(monkeypatch):
     monkeypatch.setattr(linear_op.SHAPES, "chosen", {(1, 8, 4, None, 0): True})
     monkeypatch.setattr(linear_softcap.SHAPES, "chosen", {(1, 262144, 2560, None, 0): True,
                                                          (40, 262144, 2560, None, 0): False})
-    assert _decode_gemms().endswith("; lm_head + softcap: the skinny GEMM with the softcap epilogue on 1 of 2 "
+    assert _decode_gemms("cuda").endswith("; lm_head + softcap: the skinny GEMM with the softcap epilogue on 1 of 2 "
                                     "shapes timed (rows [1, 40]), cuBLAS + the softcap kernel on the rest")
 
 

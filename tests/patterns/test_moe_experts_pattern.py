@@ -60,8 +60,8 @@ def test_report_lists_the_experts_picks(monkeypatch):
     from gemma4opt.report import _decode_experts
 
     monkeypatch.setattr(moe_op.SHAPES, "chosen", {})
-    assert _decode_experts().startswith("no decode shape timed yet")
+    assert _decode_experts("cuda").startswith("no decode shape timed yet")
     monkeypatch.setattr(moe_op.SHAPES, "chosen", {(1, 8, 128, 1408, 2816, None, 0): True,
                                            (8, 8, 128, 1408, 2816, None, 0): False})
-    assert _decode_experts().startswith(
+    assert _decode_experts("cuda").startswith(
         "gemma4opt's decode kernels on 1 of 2 shapes timed (tokens [1, 8]), HF's experts path on the rest")

@@ -1,0 +1,49 @@
+"""report(model): wording that matches what runs on the model's device, and byte sizes by unit."""
+import pytest
+
+import gemma4opt
+from gemma4opt.ops import linear, linear_softcap, moe_experts
+from gemma4opt.report import _decode_experts, _decode_gemms, format_bytes
+from tests.models import tiny
+
+
+@pytest.mark.parametrize("n,text", [
+    (0, "0 B"), (1, "1 B"), (512, "512 B"), (1023, "1023 B"), (1023.6, "1.0 KiB"), (1024, "1.0 KiB"),
+    (1536, "1.5 KiB"), (12.3 * 2**20, "12.3 MiB"), (2**20 - 1, "1.0 MiB"), (2 * 2**30, "2.0 GiB"),
+    (3000 * 2**30, "3000.0 GiB"),
+])
+def test_format_bytes_picks_the_unit_by_size(n, text):
+    assert format_bytes(n) == text
+
+
+@pytest.fixture
+def cuda_picks(monkeypatch):
+    """Picks as a CUDA model in the same process would have left them (the picks are per process)."""
+    monkeypatch.setattr(linear.SHAPES, "chosen", {(1, 8, 4, None, 0): True, (8, 8, 4, None, 0): False})
+    monkeypatch.setattr(linear_softcap.SHAPES, "chosen", {(1, 128, 64, None, 0): True})
+    monkeypatch.setattr(moe_experts.SHAPES, "chosen", {(1, 8, 128, 1408, 2816, None, 0): True})
+
+
+@pytest.mark.parametrize("variant", ["tiny", "tiny-moe"])
+@pytest.mark.parametrize("picks", [False, True])
+def test_cpu_report_names_the_reference_ops_not_cublas_or_timings(variant, picks, request):
+    if picks:
+        request.getfixturevalue("cuda_picks")
+    model = gemma4opt.optimize(tiny(variant))
+    rep = gemma4opt.report(model, print_table=False)
+    assert rep.decode_gemms.startswith("reference ops (CPU): F.linear")
+    assert "per-shape GEMM picks apply on CUDA only" in rep.decode_gemms
+    if variant == "tiny-moe":
+        assert rep.decode_experts == ("reference ops (CPU): HF's experts path; "
+                                      "per-shape decode-kernel picks apply on CUDA only")
+    text = str(rep)
+    assert "decode GEMMs (gemma4opt.linear): reference ops (CPU)" in text
+    for word in ("cuBLAS", "timed", "Triton"):
+        assert word not in text, text
+
+
+def test_cuda_wording_is_kept(cuda_picks):
+    assert _decode_gemms("cuda").startswith("the skinny Triton GEMM on 1 of 2 shapes timed (rows [1, 8]), "
+                                            "cuBLAS on the rest")
+    assert _decode_experts("cuda").startswith("gemma4opt's decode kernels on 1 of 1 shapes timed")
+    assert _decode_gemms("meta").startswith("reference ops (META)")
