@@ -175,8 +175,8 @@ def test_generate_through_graphed_decode_on_cpu(monkeypatch, variant):
     monkeypatch.setattr(decode_graphs._cuda, "graph", _RecordingCapture)
     monkeypatch.setattr(decode_graphs._cuda, "graph_pool_handle", lambda: None, raising=False)
     monkeypatch.setattr(decode_graphs.GraphedDecode, "_capture", _cpu_capture)
-    monkeypatch.setattr(Gemma4OptConfig, "resolve", lambda self, device: dataclasses.replace(
-        self, cache="static", inductor=False, cuda_graphs=True))
+    monkeypatch.setattr(Gemma4OptConfig, "resolve", lambda self, device, *a: dataclasses.replace(
+        self, attention="hf", cache="static", inductor=False, cuda_graphs=True))
     gemma4opt.optimize(model)
     with torch.no_grad():
         for _ in range(2):          # a second generate reuses the cache object and its capture

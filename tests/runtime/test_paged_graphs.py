@@ -27,8 +27,8 @@ def _optimize_with_stand_ins(monkeypatch, model, config=PAGED, flashinfer_kinds=
     monkeypatch.setattr(decode_graphs._cuda, "graph_pool_handle", lambda: None, raising=False)
     monkeypatch.setattr(decode_graphs.GraphedDecode, "_capture", _cpu_capture)
     resolve = Gemma4OptConfig.resolve
-    monkeypatch.setattr(Gemma4OptConfig, "resolve", lambda self, device: dataclasses.replace(
-        resolve(self, device), cuda_graphs=True))
+    monkeypatch.setattr(Gemma4OptConfig, "resolve", lambda self, device, *a: dataclasses.replace(
+        resolve(self, device, *a), cuda_graphs=True))
     gemma4opt.optimize(model, config)
     from gemma4opt.attention.flashinfer import build_plans
 
