@@ -37,31 +37,35 @@ def _assert_complete(model):
     return {r.pattern: set(r.matched_per_graph) for r in rep.rows}
 
 
-def _calls(mode, ids):
-    mask = torch.ones_like(ids)
-    calls = [dict(), dict(logits_to_keep=0), dict(attention_mask=mask, logits_to_keep=0), dict(attention_mask=mask),
-             dict(logits_to_keep=2)]
-    if mode == "default":
-        calls += [dict(cache_implementation="static"), dict(cache_implementation="static", logits_to_keep=0),
-                  dict(cache_implementation="static", attention_mask=mask, logits_to_keep=0)]
-    return calls
-
-
 # --- (a) graphs whose order differs because the calls differ -------------------------------------
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("variant", ["tiny-ple-shared", "tiny-moe"])
-def test_logits_to_keep_and_cache_kinds_in_one_process(mode, variant):
-    model = tiny(variant)
+def test_logits_to_keep_changing_between_generate_calls(mode):
+    """The issue: the second generate's logits_to_keep (0 after the default) is a graph input,
+    its ``neg`` recorded after the KV-shared layers' slices of the residual stream."""
+    model = tiny("tiny-ple-shared")
     eager = copy.deepcopy(model)
     ids = prompt(1, 9)
     gemma4opt.optimize(model, MODES[mode])
-    for kw in _calls(mode, ids):
+    for kw in (dict(), dict(logits_to_keep=0)):
         assert torch.equal(_gen(model, ids, **kw), _gen(eager, ids, **kw)), kw
-    with torch.no_grad():                  # direct forward calls, logits_to_keep changing each time
-        for keep in (0, 1, 3, 0):
-            got, want = model(ids, logits_to_keep=keep).logits, eager(ids, logits_to_keep=keep).logits
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    _assert_complete(model)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cache_kinds_masks_and_logits_to_keep_in_one_process(mode):
+    model = tiny("tiny-ple-shared")
+    eager = copy.deepcopy(model)
+    ids = prompt(1, 9)
+    mask = torch.ones_like(ids)
+    gemma4opt.optimize(model, MODES[mode])
+    if mode == "default":
+        calls = [dict(logits_to_keep=0, attention_mask=mask), dict(cache_implementation="static"),
+                 dict(cache_implementation="static", attention_mask=mask, logits_to_keep=0)]
+    else:
+        calls = [dict(attention_mask=mask), dict(attention_mask=mask, logits_to_keep=0), dict(logits_to_keep=2)]
+    for kw in calls:
+        assert torch.equal(_gen(model, ids, **kw), _gen(eager, ids, **kw)), kw
     _assert_complete(model)
 
 
@@ -159,26 +163,27 @@ def _optimized(variant, mode, how, moved):
     return model
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("variant", ["tiny-ple-shared", "tiny-moe"])
-def test_passes_on_reordered_graphs(mode, variant):
+@pytest.mark.parametrize("how", ["early", "late"])
+@pytest.mark.parametrize("variant,mode", [("tiny-ple-shared", "default"), ("tiny-ple-shared", "paged"),
+                                          ("tiny-moe", "default")])
+def test_passes_on_reordered_graphs(variant, mode, how):
+    """Each captured graph re-sorted (``reorder``) before the passes: the graph lints, every
+    pattern matches as often as it should (as on Dynamo's order), and the outputs are the same:
+    bitwise against the passes on Dynamo's order (direct forward calls; the paged cache exists
+    only inside generate, so there greedy tokens against HF's)."""
     eager = tiny(variant)
     ids = prompt(2, 9)
-    ref_moved = []
-    ref = _optimized(variant, mode, None, ref_moved)
-    kws = [dict(), dict(logits_to_keep=0)]
-    with torch.no_grad():
-        ref_logits = [ref(ids, **kw).logits for kw in kws]
-    ref_tokens = _gen(ref, ids)
-    ref_counts = _assert_complete(ref)
-    want_tokens = _gen(eager, ids)
-    assert torch.equal(ref_tokens, want_tokens)
-    for how in ("early", "late"):
-        moved = []
-        model = _optimized(variant, mode, how, moved)
+    kws = [dict(logits_to_keep=1), dict(logits_to_keep=0)]   # the second one: logits_to_keep an input
+    moved = []
+    model = _optimized(variant, mode, how, moved)
+    if mode == "default":
+        ref = _optimized(variant, mode, None, [])
         with torch.no_grad():
-            for kw, want in zip(kws, ref_logits):
-                assert torch.equal(model(ids, **kw).logits, want), (how, kw)
-        assert torch.equal(_gen(model, ids), want_tokens), how
-        assert _assert_complete(model) == ref_counts, how
-        assert moved and all(moved), f"{how}: the re-sort moved nothing in some graph: {moved}"
+            for kw in kws:
+                assert torch.equal(model(ids, **kw).logits, ref(ids, **kw).logits), kw
+        assert _assert_complete(ref) == _assert_complete(model)
+        kws = kws[:1]
+    for kw in kws:
+        assert torch.equal(_gen(model, ids, **kw), _gen(eager, ids, **kw)), kw
+    _assert_complete(model)
+    assert moved and all(moved), f"the re-sort moved nothing in some graph: {moved}"
