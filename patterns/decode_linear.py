@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
-from gemma4opt.compiler.regions import regions_of_type
+from gemma4opt.compiler.regions import place, regions_of_type
 
 _BLOCKS = ("Gemma4TextAttention", "Gemma4TextMLP")
 
@@ -47,6 +47,7 @@ class DecodeLinearPattern(Pattern):
                                                       else lin.kwargs["weight"]))
                     new.meta = dict(lin.meta)
                     lin.replace_all_uses_with(new)
+                    place([new])
                     gm.graph.erase_node(lin)
                 res.matched += 1
         return res

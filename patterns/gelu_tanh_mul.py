@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
-from gemma4opt.compiler.regions import innermost, op_name
+from gemma4opt.compiler.regions import innermost, op_name, place
 
 
 class GeluTanhMulPattern(Pattern):
@@ -47,6 +47,7 @@ class GeluTanhMulPattern(Pattern):
                 fused = gm.graph.call_function(torch.ops.gemma4opt.gelu_tanh_mul.default, (gelu.args[0], up))
             fused.meta = dict(mul.meta)
             mul.replace_all_uses_with(fused)
+            place([fused])
             gm.graph.erase_node(mul)
             gm.graph.erase_node(gelu)
             res.matched += 1

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
-from gemma4opt.compiler.regions import innermost, op_name, scalar_operand
+from gemma4opt.compiler.regions import innermost, op_name, place, scalar_operand
 
 
 class LogitSoftcapPattern(Pattern):
@@ -45,6 +45,7 @@ class LogitSoftcapPattern(Pattern):
                                                (lin.args[0], lin.args[1], float(cap)))
             fused.meta = dict(mul.meta)
             mul.replace_all_uses_with(fused)
+            place([fused])
             for n in (mul, tanh, div, lin):
                 gm.graph.erase_node(n)
             res.matched += 1

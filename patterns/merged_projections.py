@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
-from gemma4opt.compiler.regions import innermost, op_name, regions_of_type, resolve_module
+from gemma4opt.compiler.regions import innermost, op_name, place, regions_of_type, resolve_module
 
 MERGED_ATTR = "_gemma4opt_merged_weight"
 _GROUPS = {"Gemma4TextAttention": ("q_proj", "k_proj", "v_proj"), "Gemma4TextMLP": ("gate_proj", "up_proj")}
@@ -101,18 +101,22 @@ class MergedProjectionsPattern(Pattern):
         if any(len(lin.args) > 2 and lin.args[2] is not None for lin in linears):
             return "projection has a bias"
         graph = gm.graph
-        first = min(linears, key=lambda n: list(graph.nodes).index(n))
+        first = min(linears)          # nodes compare by their position in the graph
         w = ctx.add_constant(f"{region.path}.merged", merged)
+        new_nodes = []
         with graph.inserting_before(first):
             fused = graph.call_function(torch.nn.functional.linear, (x, w))
             fused.meta = dict(first.meta)
+            new_nodes.append(fused)
             start = 0
             for name, lin in zip(owned, linears):
                 rows = getattr(module, name).weight.shape[0]
                 part = graph.call_function(operator.getitem, (fused, (Ellipsis, slice(start, start + rows))))
                 part.meta = dict(lin.meta)
                 lin.replace_all_uses_with(part)
+                new_nodes.append(part)
                 start += rows
         for lin in linears:
             graph.erase_node(lin)
+        place(new_nodes)
         return None

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
-from gemma4opt.compiler.regions import erase_region, op_name, regions_of_type, resolve_module, scalar_operand
+from gemma4opt.compiler.regions import erase_region, op_name, place, regions_of_type, resolve_module, scalar_operand
 
 _OPS = collections.Counter({"rms_norm.default": 1, "mul": 3, "linear": 1, "softmax": 1, "topk": 1,
                             "getitem": 3, "sum": 1, "itruediv": 1})
@@ -42,13 +42,13 @@ class MoeRouterPattern(Pattern):
                 res.unfused.append(f"{region.path}: {why}")
                 continue
             graph = gm.graph
-            last = m["weights"]
-            with graph.inserting_before(last):
+            with graph.inserting_before(m["weights"]):   # the index may be read before: place() moves it
                 fused = graph.call_function(torch.ops.gemma4opt.moe_router.default, m["args"])
                 outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(3)]
             for node, new in ((m["weights"], outs[1]), (m["index"], outs[2])):
                 new.meta = dict(node.meta)
                 node.replace_all_uses_with(new)
+            place([fused, *outs])
             erase_region(graph, region.nodes, keep_used=True)
             res.matched += 1
         return res

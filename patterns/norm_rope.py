@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
-from gemma4opt.compiler.regions import module_stack, op_name
+from gemma4opt.compiler.regions import module_stack, op_name, place
 
 _RMS = "rms_norm.default"
 
@@ -91,6 +91,7 @@ class NormRopePattern(Pattern):
                 fused = gm.graph.call_function(torch.ops.gemma4opt.rms_norm_rope.default, (x, w, m["cos"], m["sin"], eps))
             fused.meta = dict(out.meta)
             out.replace_all_uses_with(fused)
+            place([fused])
             for n in reversed(m["nodes"]):
                 gm.graph.erase_node(n)
             gm.graph.erase_node(norm)

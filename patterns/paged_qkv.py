@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
-from gemma4opt.compiler.regions import innermost, op_name
+from gemma4opt.compiler.regions import innermost, op_name, place
 
 _ROPE, _RMS = "rms_norm_rope.default", "rms_norm.default"
 
@@ -102,7 +102,6 @@ class PagedQKVPattern(Pattern):
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = PassResult()
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
         for append in list(gm.graph.nodes):
             if op_name(append) != "kv_append":
                 continue
@@ -111,13 +110,13 @@ class PagedQKVPattern(Pattern):
                 res.unfused.append(f"{(innermost(append) or ('?',))[0]}: {why}")
                 continue
             q = m["q"]
-            # After every input: the later of the append (K/V's inputs precede it) and q's rope.
-            at = gm.graph.inserting_after(q) if order[q] > order[append] else gm.graph.inserting_before(append)
-            with at:
+            # At the append (the pool's write keeps its place); after q's rope where that comes later.
+            with gm.graph.inserting_before(append):
                 fused = gm.graph.call_function(torch.ops.gemma4opt.qkv_norm_rope_append.default, m["args"])
             fused.meta = dict(q.meta)
             attn = m["attn"]
             attn.replace_input_with(attn.args[0], fused)
+            place([fused])
             for n in [*m["q_chain"], q, *m["dead"]]:     # users before what they use
                 gm.graph.erase_node(n)
             res.matched += 1

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
-from gemma4opt.compiler.regions import op_name
+from gemma4opt.compiler.regions import op_name, place
 
 _RMS = "rms_norm.default"
 
@@ -78,18 +78,21 @@ class ResidualNormPattern(Pattern):
                 # post_ff_1(mlp) + post_ff_2(experts), whose norm the layer tail needs unfused.
                 continue
             x, w, eps = norm.args
-            with graph.inserting_before(s.next):   # after every input, before every user of s
+            with graph.inserting_before(s.next):   # moved by place() where the order needs it
                 fused = graph.call_function(torch.ops.gemma4opt.add_rms_norm.default,
                                             (x, residual, w, eps, scale, nxt.args[1], nxt.args[2]))
                 new_s = graph.call_function(operator.getitem, (fused, 0))
                 new_n = graph.call_function(operator.getitem, (fused, 1))
             new_s.meta = dict(s.meta)
             new_n.meta = dict(nxt.meta)
+            new_nodes = [fused, new_s, new_n]
             if sl is not None:
+                # The slice's bounds may be computed after s (e.g. -logits_to_keep as a graph input).
                 with graph.inserting_after(new_n):
                     sliced = graph.call_function(operator.getitem, (new_n, sl.args[1]))
                 sliced.meta = dict(nxt.meta)
                 nxt.replace_all_uses_with(sliced)
+                new_nodes.append(sliced)
             else:
                 nxt.replace_all_uses_with(new_n)
             graph.erase_node(nxt)
@@ -100,5 +103,6 @@ class ResidualNormPattern(Pattern):
                 graph.erase_node(s)
             graph.erase_node(add)
             graph.erase_node(norm)
+            place(new_nodes)
             res.matched += 1
         return res

@@ -40,7 +40,10 @@ class PassManager:
             if pattern.paged_only and not paged:
                 continue
             result = pattern.apply(gm, ctx)
-            gm.graph.lint()
+            try:        # e.g. a replacement placed before one of its inputs (see regions.place)
+                gm.graph.lint()
+            except RuntimeError as e:
+                raise RuntimeError(f"gemma4opt: the graph is invalid after pattern {pattern.name!r}: {e}") from e
             gm.recompile()
             st = self.stats[pattern.name]
             st.matched_per_graph.append(result.matched)

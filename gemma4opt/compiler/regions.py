@@ -133,12 +133,75 @@ def erase_region(graph: fx.Graph, nodes: list[fx.Node], keep_used: bool = False)
 
 
 def replace_output(graph: fx.Graph, old: fx.Node, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
-    """Insert ``target(*args)`` before ``old``, move old's users to it, keep old's meta."""
+    """Insert ``target(*args)`` at ``old`` (see ``place``), move old's users to it, keep old's meta."""
     with graph.inserting_before(old):
         new = graph.call_function(target, args, kwargs or {})
     new.meta = dict(old.meta)
     old.replace_all_uses_with(new)
+    place([new])
     return new
+
+
+def _inputs_first(nodes) -> list[fx.Node]:
+    """``nodes`` ordered so that each comes after those of them it reads (their own dataflow)."""
+    todo, done, out = set(nodes), set(), []
+
+    def visit(n):
+        if n in done:
+            return
+        done.add(n)
+        for a in n.all_input_nodes:
+            if a in todo:
+                visit(a)
+        out.append(n)
+
+    for n in nodes:
+        visit(n)
+    return out
+
+
+def _before_users(n: fx.Node) -> bool:
+    return all(n < u for u in n.users)
+
+
+def place(nodes) -> None:
+    """Order replacement nodes after all of their inputs and before all of their users.
+
+    Call it once a replacement is wired in (its users moved to it). A pattern inserts at an
+    anchor of the block it replaces (e.g. the block's output), but Dynamo's node order is not
+    fixed: the same graph may define an input of the replacement after that anchor (a slice
+    bound computed late, e.g. ``-logits_to_keep`` once it is a graph input) or use one of the
+    block's outputs before it (e.g. the router's top-k index read before its weights). Nodes
+    compare by their position (``fx.Node.__lt__``), so this never relies on a particular order:
+
+    1. each node that comes before one of its inputs moves right after its latest input;
+    2. if a node still comes after one of its users, every node moves as early as its inputs
+       allow (right after its latest input), the only placement that can satisfy every user;
+    3. if that fails too, no valid place exists in this order: a clear error, not a graph that
+       ``lint`` rejects later or, worse, one that reads a value before it is computed.
+
+    Nodes already in a valid place stay where the pattern put them (so a mutating op such as
+    the paged KV append keeps its program position unless the order forces a move).
+    """
+    nodes = _inputs_first(list(nodes))
+    for n in nodes:
+        latest = max(n.all_input_nodes, default=None)
+        if latest is not None and not latest < n:
+            latest.append(n)
+    if all(_before_users(n) for n in nodes):
+        return
+    for n in nodes:
+        latest = max(n.all_input_nodes, default=None)
+        if latest is None:       # reads nothing (a constant): just before its first user
+            if n.users:
+                min(n.users).prepend(n)
+        elif latest.next is not n:
+            latest.append(n)
+    for n in nodes:
+        if not _before_users(n):
+            latest = max(n.all_input_nodes)
+            raise RuntimeError(f"gemma4opt: cannot place {n.format_node()}: its input {latest.name} comes after "
+                               f"its first user {min(n.users).format_node()}")
 
 
 def const_arg(node: fx.Node, index: int, kw: str | None = None):
