@@ -38,6 +38,7 @@ class Report:
     decode_gemms: str = ""      # gemma4opt.linear's picks so far (this process)
     decode_experts: str = ""    # gemma4opt.moe_experts' picks so far (this process)
     mode: str = ""              # which attention mode runs, and why (attention="auto" says)
+    cuda_graphs: bool = True    # decode as CUDA graphs (off on CPU: no graph counts to show)
 
     def row(self, pattern: str) -> PatternRow:
         return next(r for r in self.rows if r.pattern == pattern)
@@ -46,9 +47,9 @@ class Report:
         lines = [f"gemma4opt report: {self.model_class} (compiled scope: {self.scope})"]
         if self.disabled_reason:
             lines.append(f"  NOT OPTIMIZED: {self.disabled_reason} -> every call runs HF's unfused path")
-        lines.append(f"  graphs compiled: {self.graphs_compiled}   compiled calls: {self.compiled_calls} "
-                     f"(as CUDA graph replays: {self.graphed_calls}; captures {self.graph_captures}, "
-                     f"warm-up steps {self.graph_warmups})")
+        graphs = (f" (as CUDA graph replays: {self.graphed_calls}; captures {self.graph_captures}, "
+                  f"warm-up steps {self.graph_warmups})" if self.cuda_graphs else " (no CUDA graphs)")
+        lines.append(f"  graphs compiled: {self.graphs_compiled}   compiled calls: {self.compiled_calls}{graphs}")
         if self.graph_key_changes:
             lines.append("  decode steps that missed a captured graph, by input: " + ", ".join(
                 f"{k}: {v}" for k, v in sorted(self.graph_key_changes.items(), key=lambda kv: -kv[1])))
@@ -112,7 +113,7 @@ def build_report(model) -> Report:
                   state.graph_captures, state.graph_warmups, state.stop_check, dict(state.graph_key_changes),
                   _decode_gemms(device) if "decode_linear" in state.stats else "",
                   _decode_experts(device) if state.stats.get("moe_experts") and state.stats["moe_experts"].expected
-                  else "", state.mode_reason)
+                  else "", state.mode_reason, bool(state.config.cuda_graphs))
 
 
 def format_bytes(n: float) -> str:
