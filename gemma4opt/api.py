@@ -105,7 +105,8 @@ def _fallback_reason(module: torch.nn.Module, kwargs: dict) -> str | None:
     if module.training:
         return "training mode"
     for k in _FALLBACK_KWARGS:
-        if kwargs.get(k) not in (None, False):
+        v = kwargs.get(k)
+        if v is not None and v is not False:      # a tensor (labels) has no truth value
             return f"{k} requested"
     if torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
         return "autograd enabled (run under torch.no_grad()/inference_mode, as generate does)"
@@ -258,6 +259,11 @@ def _install_generate_checks(model, state, edits: InstanceEdits) -> None:
             warnings.warn("gemma4opt: compile_config is ignored: the optimized model's forward is already compiled "
                           "by gemma4opt, so HF's generate-time torch.compile is off for it (disable_compile)",
                           stacklevel=2)
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] == 0:
+            _no_tokens(ids)
         return original(*args, **kwargs)
 
     edits.set(model, "generate", generate)
@@ -284,8 +290,7 @@ def _make_forward(target, state: OptimizationState):
     def forward(*args, **kwargs):
         ids = step_input(args, kwargs)
         if ids is not None and ids.dim() >= 2 and ids.shape[1] == 0:
-            raise ValueError(f"gemma4opt: the input has no tokens (shape {tuple(ids.shape)}); give at least one token "
-                             "per sequence (a prompt, or a BOS token)")
+            _no_tokens(ids)
         reason = _fallback_reason(target, kwargs)
         if state.context is None:
             return _call(state, original, args, kwargs, reason)
@@ -310,6 +315,11 @@ def _make_forward(target, state: OptimizationState):
             return state.compiled_forward(*args, **kwargs)
 
     return forward
+
+
+def _no_tokens(ids):
+    raise ValueError(f"gemma4opt: the input has no tokens (shape {tuple(ids.shape)}); give at least one token "
+                     "per sequence (a prompt, or a BOS token)")
 
 
 def _call(state, original, args, kwargs, reason):

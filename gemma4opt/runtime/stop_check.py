@@ -46,7 +46,8 @@ def deferred_sample():
     class CudaDeferredStopCheck(cls):
         @staticmethod
         def is_supported(device, cache, cache_is_returned, is_assistant):
-            if torch.device(device).type == "cuda":
+            device = torch.device(device)
+            if device.type == "cuda":
                 device = torch.device("mps")     # HF's gate is the device type; its other checks still apply
             return cls.is_supported(device, cache, cache_is_returned, is_assistant)
 

@@ -1,35 +1,32 @@
-"""The deferred stop check is on only inside an optimized model's generate, and only for CUDA;
-every other model keeps HF's per-step check. Tokens with the check deferred are compared with
-HF eager on a GPU in tests/gpu/test_gpu_generate.py; on the CPU (which has no events, and runs
-synchronously anyway) HF's check runs with events stood in, over the paged cache it must crop."""
+"""The deferred stop check, per instance: an optimized model's generate hands HF, for greedy and
+sampling calls only, a ``custom_generate`` that is HF's own ``_sample`` (same code object) whose
+globals see a DeferredStopCheck subclass answering for a CUDA device as HF answers for "mps".
+Nothing in transformers changes. On the CPU the subclass answers exactly like HF (never defers).
+Tokens with the check deferred are compared with HF eager on a GPU in tests/gpu/test_gpu_generate.py;
+on the CPU (no events; it runs synchronously anyway) HF's deferred check runs with events stood in,
+over the paged cache it must crop."""
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import Gemma4ForCausalLM, StoppingCriteria, StoppingCriteriaList
+from transformers.generation import utils as hf_utils
+from transformers.generation.utils import GenerationMixin
 
 import gemma4opt
 from gemma4opt.runtime import stop_check
 from tests.models import prompt, tiny
 
 DeferredStopCheck = stop_check._stop_check_class()
-pytestmark = pytest.mark.skipif(DeferredStopCheck is None, reason="transformers without DeferredStopCheck")
-CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+pytestmark = pytest.mark.skipif(stop_check.deferred_sample() is None,
+                                reason="transformers without DeferredStopCheck in _sample")
+CUDA, CPU, MPS = torch.device("cuda"), torch.device("cpu"), torch.device("mps")
 
 
-class _Probe(StoppingCriteria):
-    """Records, at every step inside generate, what HF's gate answers for a CUDA device."""
-
-    def __init__(self):
-        self.seen = []
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.seen.append(DeferredStopCheck.is_supported(CUDA, None, False, False))
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+class _Uncroppable:
+    is_croppable = False
 
 
-def _generate(model, probe):
-    with torch.no_grad():
-        return model.generate(prompt(1, 6), max_new_tokens=4, do_sample=False,
-                              stopping_criteria=StoppingCriteriaList([probe]))
+def _subclass():
+    return stop_check.deferred_sample().__globals__["DeferredStopCheck"]
 
 
 def test_resolved_default_is_on_for_cuda_only():
@@ -39,46 +36,101 @@ def test_resolved_default_is_on_for_cuda_only():
     assert gemma4opt.Gemma4OptConfig(deferred_stop=False).resolve("cuda").deferred_stop is False
 
 
-def test_gate_opens_inside_optimized_generate_only():
-    model = gemma4opt.optimize(tiny(), gemma4opt.Gemma4OptConfig(deferred_stop=True))
-    assert "deferred" in gemma4opt.report(model, print_table=False).stop_check
-    probe = _Probe()
-    out = _generate(model, probe)
-    assert out.shape == (1, 10)
-    assert probe.seen and all(probe.seen)                          # CUDA would defer here
-    assert not DeferredStopCheck.is_supported(CUDA, None, False, False)   # outside generate: HF's answer
-    assert not DeferredStopCheck.is_supported(CPU, None, False, False)
-
-    plain, probe2 = tiny(seed=3), _Probe()                         # another model, HF untouched
-    _generate(plain, probe2)
-    assert probe2.seen and not any(probe2.seen)
+def test_deferred_sample_is_hfs_sample_with_one_global_changed():
+    fn, hf = stop_check.deferred_sample(), GenerationMixin._sample
+    assert fn is not hf and fn.__code__ is hf.__code__
+    assert fn.__defaults__ == hf.__defaults__ and fn.__kwdefaults__ == hf.__kwdefaults__
+    assert fn.__globals__ is not hf.__globals__
+    assert {k for k in fn.__globals__ if fn.__globals__[k] is not hf.__globals__.get(k)} == {"DeferredStopCheck"}
+    assert issubclass(_subclass(), DeferredStopCheck) and _subclass() is not DeferredStopCheck
+    assert hf_utils.DeferredStopCheck is DeferredStopCheck and hf.__globals__["DeferredStopCheck"] is DeferredStopCheck
 
 
-def test_hf_conditions_still_hold_inside():
-    class Uncroppable:
-        is_croppable = False
-
-    with_token = stop_check._ACTIVE.set(True)
-    try:
-        assert DeferredStopCheck.is_supported(CUDA, None, False, False)
-        assert not DeferredStopCheck.is_supported(CUDA, None, False, True)            # assisted decoding
-        assert not DeferredStopCheck.is_supported(CUDA, Uncroppable(), True, False)   # returned, cannot undo
-        assert DeferredStopCheck.is_supported(CUDA, Uncroppable(), False, False)
-        # generate is handed the paged cache (so it counts as returned): it can undo the extra step
+@pytest.mark.parametrize("cache, returned", [(None, False), (None, True), (_Uncroppable(), False),
+                                             (_Uncroppable(), True), ("paged", True)])
+@pytest.mark.parametrize("assistant", [False, True])
+def test_subclass_answers_like_hf(cache, returned, assistant):
+    """Off CUDA exactly HF's answer (the CPU never defers); on CUDA HF's answer for "mps", so HF's
+    own conditions hold: not for an assistant, not for a returned cache that cannot be cropped."""
+    if cache == "paged":
         from gemma4opt.attention.cache import PagedCache
 
-        assert DeferredStopCheck.is_supported(CUDA, PagedCache.__new__(PagedCache), True, False)
-        assert not DeferredStopCheck.is_supported(CPU, None, False, False)
-    finally:
-        stop_check._ACTIVE.reset(with_token)
+        cache = PagedCache.__new__(PagedCache)        # generate is handed the paged cache: croppable
+    sub = _subclass()
+    for device in (CPU, "cpu", torch.device("meta")):
+        assert sub.is_supported(device, cache, returned, assistant) is False
+        assert DeferredStopCheck.is_supported(torch.device(device), cache, returned, assistant) is False
+    want = DeferredStopCheck.is_supported(MPS, cache, returned, assistant)
+    assert sub.is_supported(CUDA, cache, returned, assistant) == want
+    assert sub.is_supported("cuda:0", cache, returned, assistant) == want
+    assert want == (not assistant and (cache is None or not returned or cache.is_croppable))
+    assert DeferredStopCheck.is_supported(CUDA, cache, returned, assistant) is False   # HF's class: untouched
 
 
-def test_off_by_config_leaves_generate_alone():
-    model = tiny()
-    before = model.generate
-    gemma4opt.optimize(model, gemma4opt.Gemma4OptConfig(deferred_stop=False))
+@pytest.fixture
+def seen_kwargs(monkeypatch):
+    """generate of the model class records its keyword arguments and returns them (no generation)."""
+    calls = []
+
+    def spy(self, *args, **kwargs):
+        calls.append(kwargs)
+        return kwargs
+
+    monkeypatch.setattr(Gemma4ForCausalLM, "generate", spy)
+    return calls
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_custom_generate_only_for_greedy_and_sampling(seen_kwargs, paged):
+    cfg = dict(attention="paged", page_size=4, max_seq_len=64, max_batch_size=2) if paged else {}
+    model = gemma4opt.optimize(tiny(), gemma4opt.Gemma4OptConfig(deferred_stop=True, **cfg))
+    assert "deferred" in gemma4opt.report(model, print_table=False).stop_check
+    ids = prompt(1, 5)
+
+    def handed(**kw):
+        return model.generate(ids, max_new_tokens=2, **kw).get("custom_generate")
+
+    for kw in (dict(do_sample=False), dict(do_sample=True), dict(do_sample=True, top_k=5),
+               dict(generation_config=model.generation_config)):
+        fn = handed(**kw)
+        assert fn is not None and fn.__code__ is GenerationMixin._sample.__code__, kw
+    assert handed(num_beams=2) is None
+    assert handed(num_beams=2, num_return_sequences=2) is None
+    assert handed(assistant_model=tiny(seed=4)) is None
+    assert handed(prompt_lookup_num_tokens=3) is None
+    mine = object()
+    assert handed(custom_generate=mine) is mine
+
+    plain = tiny(seed=3)                       # another model: HF's generate as is, nothing handed
+    plain.generate(ids, max_new_tokens=2, do_sample=False)
+    assert "custom_generate" not in seen_kwargs[-1] and "generate" not in vars(plain)
+
+
+def test_off_by_config_hands_nothing(seen_kwargs):
+    model = gemma4opt.optimize(tiny(), gemma4opt.Gemma4OptConfig(deferred_stop=False))
     assert gemma4opt.report(model, print_table=False).stop_check.startswith("per step")
-    assert model.generate == before
+    model.generate(prompt(1, 5), max_new_tokens=2, do_sample=False)
+    assert "custom_generate" not in seen_kwargs[-1]
+
+
+def test_on_cpu_hf_never_defers(monkeypatch):
+    """A real generate on the CPU through the deferred sample: HF's per-step check runs (no
+    DeferredStopCheck is made), tokens equal HF's, another model's generate is untouched."""
+    made = []
+    real_init = DeferredStopCheck.__init__
+
+    def init(self, *a, **k):
+        made.append(type(self))
+        real_init(self, *a, **k)
+
+    monkeypatch.setattr(DeferredStopCheck, "__init__", init)
+    ids = prompt(2, 6)
+    with torch.no_grad():
+        want = tiny().generate(ids, max_new_tokens=3, do_sample=False)
+        model = gemma4opt.optimize(tiny(), gemma4opt.Gemma4OptConfig(deferred_stop=True))
+        got = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert torch.equal(got, want)
+    assert made == []
 
 
 class _Event:
