@@ -41,6 +41,11 @@ for s in "$@"; do
     # includes FlashInfer's JIT; then the paged mode sized for the run, HF static + compile, HF eager.
     oneliner) stage oneliner 560 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 32 \
             --systems gemma4opt gemma4opt-paged static_compile eager --json "$OUT/oneliner.jsonl" ;;
+    # HF generate features on the one-liner in CUDA graphs (continuing a returned cache, assisted
+    # decoding), then e2b drafting for the 31b x 12 against the 31b alone.
+    features) MAX_JOBS=16 stage features 240 $PYTEST -s tests/gpu/test_gpu_features.py ;;
+    assisted) stage assisted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
+            --json "$OUT/assisted.jsonl" ;;
     tests) stage tests 150 $PYTEST tests/gpu/test_gpu_generate.py -k "captured" ;;
     gen1) stage gen1 330 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 \
             --systems gemma4opt eager static_compile --json "$OUT/gen.jsonl" ;;

@@ -1,0 +1,72 @@
+"""On the GPU machine: HF generate features on the one-liner (attention="auto" -> paged on CUDA),
+against HF eager on a copy taken before optimize, with decode running as CUDA-graph replays.
+
+Needs flashinfer (the [gpu] extra). The 31b's real head dims (256 / 512) at a few layers, so a
+machine that ran the speed suite has FlashInfer's kernels compiled already.
+"""
+import copy
+
+import pytest
+import torch
+
+import gemma4opt
+from gemma4opt.presets import build_model
+
+pytestmark = pytest.mark.gpu
+
+
+def _prompt(batch, length, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch, length), generator=g).cuda()
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        mask[1, : length // 3] = 0            # row 1 left-padded
+        ids[1, : length // 3] = 0
+    return ids, mask
+
+
+def _greedy(model, ids, mask, new, **kw):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    pytest.importorskip("flashinfer")
+    model = build_model("31b", 6, dtype=torch.bfloat16, device="cuda")
+    ref = copy.deepcopy(model)
+    gemma4opt.optimize(model)
+    assert gemma4opt.report(model, print_table=False).mode.startswith("auto on CUDA: paged")
+    return model, ref
+
+
+def test_continuing_from_a_returned_paged_cache_replays_graphs_and_equals_eager(pair):
+    model, ref = pair
+    vocab = model.config.vocab_size
+    ids, mask = _prompt(2, 40, vocab)
+    first = _greedy(model, ids, mask, 8, return_dict_in_generate=True)
+    want_first = _greedy(ref, ids, mask, 8, return_dict_in_generate=True)
+    assert torch.equal(first.sequences, want_first.sequences)
+    user, _ = _prompt(2, 5, vocab, seed=1)
+    more = torch.cat([first.sequences, user], 1)
+    more_mask = torch.cat([mask, torch.ones(2, more.shape[1] - mask.shape[1], dtype=mask.dtype, device="cuda")], 1)
+    state = model._gemma4opt
+    replays = state.graphed_calls
+    got = _greedy(model, more, more_mask, 8, past_key_values=first.past_key_values)
+    want = _greedy(ref, more, more_mask, 8, past_key_values=want_first.past_key_values)
+    assert torch.equal(got, want)
+    assert state.graphed_calls - replays >= 6, "the continued generate's decode steps did not replay CUDA graphs"
+
+
+def test_assisted_decoding_with_an_optimized_assistant_replays_graphs_and_equals_eager(pair):
+    model, ref = pair
+    assistant = build_model("e2b", 4, dtype=torch.bfloat16, device="cuda", seed=1)
+    ref_assistant = copy.deepcopy(assistant)
+    gemma4opt.optimize(assistant)
+    ids, mask = _prompt(1, 24, model.config.vocab_size, seed=2)
+    want = _greedy(ref, ids, mask, 16, assistant_model=ref_assistant)
+    got = _greedy(model, ids, mask, 16, assistant_model=assistant)
+    assert torch.equal(got, want)
+    assert assistant._gemma4opt.graphed_calls > 0, "the assistant's drafting did not replay CUDA graphs"
+    lookup = _greedy(model, ids, mask, 16, prompt_lookup_num_tokens=3)
+    assert torch.equal(lookup, _greedy(ref, ids, mask, 16, prompt_lookup_num_tokens=3))
