@@ -1,11 +1,13 @@
 """PagedCache: the transformers Cache that generate carries while KV lives in gemma4opt's pages.
+Each cache holds rows of the model's page tables until it is released (or garbage-collected).
 
 HF only needs lengths from it (positions, generate's bookkeeping); the KV itself is written by
 gemma4opt.kv_append and read by gemma4opt.paged_attention through the model's StepContext.
 """
 from __future__ import annotations
 
-import torch
+import weakref
+
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
@@ -42,7 +44,14 @@ class PagedLayer(CacheLayerMixin):
 
 
 class PagedCache(Cache):
-    """One generate call's cache: its rows in the model's page tables, released when generate ends."""
+    """A generate call's cache: its own rows of the model's page tables (StepContext's row
+    allocator hands them out at its first step) and the KV pages they hold.
+
+    Returned to the caller (``return_dict_in_generate=True``) it keeps its pages while the caller
+    holds it: ``generate(longer_ids, past_key_values=cache)`` continues it. The pages and rows go
+    back to the pool on ``release()`` / ``reset()`` (the cache is then empty and can start
+    again) or when it is garbage-collected.
+    """
 
     # HF generate is handed this cache, so it counts as returned: HF defers its stop check
     # (runtime/stop_check.py) only for a cache that can undo the one extra step that costs.
@@ -51,24 +60,54 @@ class PagedCache(Cache):
     def __init__(self, context, num_layers: int):
         super().__init__(layers=[PagedLayer() for _ in range(num_layers)])
         self.context = context
-        self.rows: torch.Tensor | None = None   # set at prefill
-        self.released = False
+        # The rows live in a holder the finalizer shares (it must not hold the cache itself).
+        self._held = {"rows": None}
+        self._finalizer = weakref.finalize(self, _release_rows, context, self._held)
+        self._finalizer.atexit = False
+
+    @property
+    def rows(self):
+        """This cache's rows of the page tables (numpy int64), or None before its first step."""
+        return self._held["rows"]
+
+    @rows.setter
+    def rows(self, rows) -> None:
+        self._held["rows"] = rows
+
+    @property
+    def released(self) -> bool:
+        return self._held["rows"] is None
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Undo HF's extra deferred step (``crop(-1)``) or nothing (``crop(0)``, every step).
-
-        Only the lengths HF reads move back: generate is over when HF undoes a step, and the
-        pages that step wrote go back to the pool when generate returns (``release``).
-        """
+        """Drop the last ``-tokens_to_remove`` tokens: HF's deferred stop check undoing its extra
+        step (``crop(-1)``), assisted decoding removing rejected draft tokens; ``crop(0)`` does
+        nothing. The paged sequences shrink too (pages past the new end go back to the pool),
+        so the next step writes where the dropped tokens were."""
         if tokens_to_remove > 0:
-            raise ValueError(f"PagedCache.crop({tokens_to_remove}): only crop(-n) (drop the last n tokens) and "
-                             "crop(0) are supported, as HF generate's deferred stop check uses them")
+            raise ValueError(f"PagedCache.crop({tokens_to_remove}): pass -n to drop the last n tokens (as HF's "
+                             "caches do); a positive length is not supported")
         if tokens_to_remove == 0:
             return                          # every decode step: nothing to do, and no loop over the layers
+        n = -tokens_to_remove
+        length = self.get_seq_length()
+        if n > length:
+            raise ValueError(f"PagedCache.crop({tokens_to_remove}): the cache holds {length} tokens")
+        if self.rows is not None:
+            self.context.crop(self.rows, n)         # first: it refuses before anything changes
         for layer in self.layers:
-            layer.cumulative_length = max(layer.cumulative_length + tokens_to_remove, 0)
+            layer.cumulative_length = max(layer.cumulative_length - n, 0)
 
     def release(self) -> None:
-        if not self.released:
-            self.context.release(self)
-            self.released = True
+        """Give the pages and rows back to the pool; the cache is empty afterwards."""
+        _release_rows(self.context, self._held)
+        for layer in self.layers:
+            layer.reset()
+
+    def reset(self) -> None:
+        self.release()
+
+
+def _release_rows(context, held) -> None:
+    rows, held["rows"] = held["rows"], None
+    if rows is not None:
+        context.release_rows(rows)

@@ -93,8 +93,49 @@ class PagedSequences:
         self._updates: list[tuple[np.ndarray, np.ndarray]] = []
         self._table_fast = None   # table_step's (rows object, steps left, seq_lens, slots)
 
-    def pages_held(self) -> int:
-        return int((self.count - self.first)[self.active].sum())
+    def pages_held(self, rows=None) -> int:
+        """Pages the active sequences (or those of ``rows``) hold."""
+        if rows is None:
+            return int((self.count - self.first)[self.active].sum())
+        rows = np.asarray(rows, dtype=np.int64)
+        rows = rows[self.active[rows]]
+        return int((self.count[rows] - self.first[rows]).sum())
+
+    def crop_check(self, rows, n: int) -> np.ndarray:
+        """Raise when ``crop(rows, n)`` cannot be done; the active ones of ``rows``."""
+        rows = np.asarray(rows, dtype=np.int64)
+        rows = rows[self.active[rows]]
+        if n <= 0 or not len(rows):
+            return rows
+        ps = self.pool.page_size
+        new_len = self.seq_len[rows] - n
+        if (new_len < 0).any():
+            raise ValueError(f"cannot drop {n} tokens: a sequence holds only {int(self.seq_len[rows].min())}")
+        if self.window is not None:
+            needed = np.maximum(new_len - (self.window - 1), 0) // ps     # first page the next query sees
+            if (self.first[rows] > needed).any():
+                raise ValueError(f"cannot drop {n} tokens: the sliding window of what is left reaches back into "
+                                 "pages already freed (crop at most the tokens of the last step)")
+        return rows
+
+    def crop(self, rows, n: int) -> None:
+        """Drop the last ``n`` tokens of each of ``rows`` (a rejected draft, an undone step): their
+        lengths move back and the pages past the new ends go back to the pool, so the next step
+        writes where the dropped tokens were. Refused (nothing changed) when a row holds fewer
+        than ``n`` tokens, or when a sliding kind already freed pages the new end's window sees."""
+        rows = self.crop_check(rows, n)
+        if n <= 0 or not len(rows):
+            return
+        ps = self.pool.page_size
+        new_len = self.seq_len[rows] - n
+        first = self.first[rows]
+        keep = np.maximum(-(-new_len // ps), first)
+        count = self.count[rows]
+        if (count > keep).any():
+            self._release(rows, keep, count - keep)
+        self.count[rows] = np.minimum(count, keep)
+        self.seq_len[rows] = new_len
+        self._cached = self._fast = self._table_fast = None
 
     def step(self, rows: np.ndarray, new_tokens: np.ndarray, decode: bool = False) -> StepMeta:
         """Append ``new_tokens[i]`` tokens to sequence ``rows[i]``; free what no query can see; return metadata.

@@ -7,6 +7,8 @@ instead of threading arguments through HF's model code.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -79,6 +81,7 @@ class StepContext:
         cfg, oc = text_config, opt_config
         self.page_size = oc.page_size
         self.max_batch = oc.max_batch_size
+        self.max_seq_len = oc.max_seq_len
         n_pages = pool_pages(cfg, oc, dtype, free_device_memory(device))
         windows = {"sliding_attention": cfg.sliding_window, "full_attention": None}
         self.seqs = {k: PagedSequences(PagePool(n_pages, oc.page_size, f"{k} KV pool"), self.max_batch,
@@ -109,7 +112,10 @@ class StepContext:
         self.use_plans(plans)
         self.active = False
         self.last_kv_held = (0, 0)  # (bytes, sequences) when the last generate released its pages
-        self.owner = None           # the PagedCache whose rows are in the page tables
+        # Row allocator: every live PagedCache holds rows of the page tables (all kinds share the
+        # numbering) from its first step until it is released or garbage-collected.
+        self.row_free = np.ones(self.max_batch, dtype=bool)
+        self._owner = None          # weakref to the cache that took rows last (diagnostics)
         self.meta: dict[str, dict[str, torch.Tensor]] = {}
         self.token_index: torch.Tensor | None = None
         self.new_lens: torch.Tensor | None = None
@@ -157,28 +163,27 @@ class StepContext:
         the page lists, kv_indices stays out of it; with the Triton kernel, the kind's device page
         table (fixed address) and the lengths.
         """
-        decode = cache.rows is not None and tokens == 1
-        if cache.rows is None:
-            if self.owner is not None and not self.owner.released:
-                raise RuntimeError("gemma4opt: one paged generate at a time per model; the previous one still holds "
-                                   "its pages (call cache.release())")
-            if batch > self.max_batch:
-                raise ValueError(f"batch {batch} exceeds Gemma4OptConfig.max_batch_size={self.max_batch}")
-            cache.rows = np.arange(batch)
-            self.owner = cache
-            if attention_mask is not None and attention_mask.dim() == 2:
-                real = attention_mask.detach().to("cpu", torch.bool).numpy()   # once, at prefill
-            else:
-                real = np.ones((batch, tokens), dtype=bool)
-        else:
-            real = None
+        first = cache.rows is None
+        if first:
+            cache.rows = self.acquire_rows(batch)
+            self._owner = _weak(cache)
+        elif len(cache.rows) != batch:
+            raise ValueError(f"gemma4opt: this PagedCache holds {len(cache.rows)} sequences and the step has {batch}; "
+                             "continue a cache with the batch it was made with")
+        decode = tokens == 1 and not first
+        real = None
+        if not decode and attention_mask is not None and attention_mask.dim() == 2:
+            # Prefill, a continued cache's new tokens, a draft to verify: the mask's last ``tokens``
+            # columns say which of the step's tokens are real (left padding is not). Read on the host.
+            real = attention_mask[:, -tokens:].detach().to("cpu", torch.bool).numpy()
         if real is None:       # every token real: decode steps (cached per batch size)
             new, token_index = self._all_real(batch, tokens)
         else:
             new = real.sum(1)
             token_index = np.flatnonzero(real.reshape(-1))
         # Kinds whose decode runs the Triton kernel: lengths and slots only, no page lists, no plan.
-        triton = self.tables if decode else ()
+        # That kernel reads table row b for batch row b: only a cache holding rows 0..B-1 runs it.
+        triton = self.tables if decode and _is_prefix(cache.rows) else ()
         host = {kind: self.seqs[kind].step(cache.rows, new, decode) for kind in KINDS if kind not in triton}
         lens_slots = {kind: self.seqs[kind].table_step(cache.rows) for kind in triton}
         if pad_to is not None:
@@ -291,18 +296,62 @@ class StepContext:
             slot_mapping=np.concatenate([m.slot_mapping, np.full(n, page * ps, dtype=np.int64)]),
             seq_lens=np.concatenate([m.seq_lens, np.ones(n, dtype=m.seq_lens.dtype)]))
 
-    def release(self, cache) -> None:
-        if cache.rows is not None:
-            # What a generate held at its end: full layers every token, sliding layers only the
-            # pages their window still sees (the report and benchmarks show it per sequence).
-            self.last_kv_held = (self.kv_bytes_held(), len(cache.rows))
-            for kind in KINDS:
-                self.seqs[kind].release(cache.rows)
-        if self.owner is cache:
-            self.owner = None
+    def acquire_rows(self, batch: int) -> np.ndarray:
+        """``batch`` free rows of the page tables (the lowest ones: one cache at a time gets 0..B-1)."""
+        if batch > self.max_batch:
+            raise ValueError(f"gemma4opt: batch {batch} exceeds Gemma4OptConfig.max_batch_size={self.max_batch}; "
+                             "raise max_batch_size or split the batch")
+        free = np.flatnonzero(self.row_free)
+        if len(free) < batch:
+            raise ValueError(f"gemma4opt: a batch of {batch} needs {batch} free rows of the paged KV tables and "
+                             f"{len(free)} of Gemma4OptConfig.max_batch_size={self.max_batch} are free: PagedCaches "
+                             "returned by earlier generate calls hold the others; release() them (or drop them) "
+                             "or raise max_batch_size")
+        rows = free[:batch].astype(np.int64)
+        self.row_free[rows] = False
+        return rows
+
+    def release_rows(self, rows) -> None:
+        """Give a cache's pages (every kind) and rows back (generate ended, release(), reset(), GC)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        # What a generate held at its end: full layers every token, sliding layers only the
+        # pages their window still sees (the report and benchmarks show it per sequence).
+        self.last_kv_held = (self.kv_bytes_held(rows), len(rows))
+        for kind in KINDS:
+            self.seqs[kind].release(rows)
+        self.row_free[rows] = True
         self.active = False
 
-    def kv_bytes_held(self) -> int:
-        """KV bytes the live pages of the current sequences occupy, over every owning layer."""
-        return sum(t[0].numel() * t.element_size() * self.seqs[self.layer_kind[layer]].pages_held()
+    def release(self, cache) -> None:
+        if cache.rows is not None:
+            rows, cache.rows = cache.rows, None
+            self.release_rows(rows)
+
+    def crop(self, rows, n: int) -> None:
+        """Drop the last ``n`` tokens of these rows in every kind (all kinds are checked first)."""
+        for kind in KINDS:
+            self.seqs[kind].crop_check(rows, n)
+        for kind in KINDS:
+            self.seqs[kind].crop(rows, n)
+
+    @property
+    def owner(self):
+        """The live PagedCache that took rows last, or None."""
+        cache = self._owner() if self._owner is not None else None
+        return cache if cache is not None and cache.rows is not None else None
+
+    def kv_bytes_held(self, rows=None) -> int:
+        """KV bytes the live pages of the current sequences (or of ``rows``) occupy, over every owning layer."""
+        return sum(t[0].numel() * t.element_size() * self.seqs[self.layer_kind[layer]].pages_held(rows)
                    for layer, t in self.kv.items())
+
+
+def _weak(cache):
+    try:
+        return weakref.ref(cache)
+    except TypeError:                 # a stand-in (tests): held strongly
+        return lambda: cache
+
+
+def _is_prefix(rows) -> bool:
+    return len(rows) > 0 and rows[0] == 0 and rows[-1] == len(rows) - 1
