@@ -235,14 +235,9 @@ def _assist_outputs(m, ids, **kw):
     return out.sequences, out
 
 
-# KV-shared variants: HF verifies a draft with logits_to_keep = draft + 1, slicing the inputs of
-# the KV-shared layers; gemma4opt's pass manager then builds a graph out of order (a compiler
-# bug outside the paged runtime: "Argument 'neg_..' of Node 'getitem_..' was used before it has
-# been defined"). Tracked here as expected failures until the passes handle that slice.
-_KV_SHARED_DRAFT = pytest.mark.xfail(reason="pass manager: KV-shared slice at logits_to_keep > 1 (compiler bug)",
-                                     raises=Exception, strict=False)
-_ASSISTED = [pytest.param(v, "lookup", marks=[_KV_SHARED_DRAFT] if v == "tiny-ple-shared" else [])
-             for v in VARIANTS] + [("tiny-moe", "assistant"), ("tiny", "optimized_assistant")]
+# KV-shared variants verify a draft with logits_to_keep = draft + 1, which slices the KV-shared
+# layers' inputs: the passes place their replacements by dataflow (compiler.regions.place).
+_ASSISTED = [(v, "lookup") for v in VARIANTS] + [("tiny-moe", "assistant"), ("tiny", "optimized_assistant")]
 
 
 @pytest.mark.parametrize("variant,how", _ASSISTED)
