@@ -50,8 +50,8 @@ def _pct(v):
 
 def _head(rid, rows):
     r = rows[0]
-    return [f"### {rid}", "", f"`{r['command']}` — {r['machine']}, recorded in commit {r['commit']}, "
-            f"`benchmarks/results/{r['file']}`", ""]
+    return [f"### {rid}", "", f"`{r['command']}` — {r['machine']}, "
+            + (f"recorded in commit {r['commit']}, " if r.get("commit") else "") + f"`benchmarks/results/{r['file']}`", ""]
 
 
 def generate_section(rows):
