@@ -119,7 +119,8 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         res = results[b]
         res[system] = dict(ms_per_step=ms, out=out)
         same = torch.equal(out, res["eager"]["out"]) if "eager" in res else None
-        row = dict(preset=args.preset, layers=cfg.num_hidden_layers, batch=b, prompt=args.prompt, new=args.new,
+        row = dict(run=args.run, machine=args.machine, command=args.command,
+                   preset=args.preset, layers=cfg.num_hidden_layers, batch=b, prompt=args.prompt, new=args.new,
                    system=system, warmup_s=warm, ttft_ms=ttft, ms_per_step=ms, tok_s=b * 1e3 / ms, roofline_ms=roof[b],
                    roofline_frac=roof[b] / ms, tokens_equal_eager=same)
         state = getattr(sys_model, "_gemma4opt", None)
@@ -164,6 +165,7 @@ def main(argv=None):
     ap.add_argument("--systems", nargs="+", default=["eager", "static_compile", "gemma4opt"],
                     choices=["eager", "static_compile", *GEMMA4OPT_SYSTEMS])
     ap.add_argument("--json", default=None, help="append result rows to this JSON-lines file")
+    ap.add_argument("--run", default=None, help="run id stamped on every row (default: date/time, preset, layers)")
     args = ap.parse_args(argv)
     # A stage's `timeout` sends SIGTERM: exit through the finally below, so the rows measured so far
     # still reach --json.
@@ -181,6 +183,9 @@ def main(argv=None):
     prompts = {b: torch.randint(3, cfg.vocab_size, (b, args.prompt), generator=g).to(args.device) for b in args.batch}
     roof = {b: (weight_bytes_per_step(model, b) + kv_bytes_per_step(model, b, args.prompt + args.new // 2)) / bw * 1e3
             for b in args.batch}
+    args.run = args.run or time.strftime("%Y-%m-%d %H:%M/") + f"{args.preset}_l{cfg.num_hidden_layers}"
+    args.machine = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    args.command = "python3 benchmarks/bench_generate.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(HEADER, flush=True)
     rows, results = [], {b: {} for b in args.batch}
     try:

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Several GPUs of one machine at once: one group of gpu_session.sh stages per GPU, in parallel.
+# Several GPUs of one machine at once: one group of gpu_session.sh suites per GPU, in parallel.
 #
-#   bash benchmarks/gpu_parallel.sh "dectest genfinal" "gen2048 pagedfix"     # GPU 0 and GPU 1
+#   bash benchmarks/gpu_parallel.sh "tests kernels" "speed"     # GPU 0 and GPU 1
 #
 # Installs once, then each group runs with CUDA_VISIBLE_DEVICES set to its GPU; each group's
-# output goes to $OUT/gpuN.txt (stage logs to $OUT/<stage>.log as usual) and is printed at the end.
+# output goes to $OUT/gpuN.txt (step logs to $OUT/<stage>.log as usual) and is printed at the end.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gemma4opt-out}

@@ -1,23 +1,45 @@
 #!/usr/bin/env bash
-# One command per GPU call: install the carried FlashInfer wheels (.whl/, if present) and this
-# package, then run the named stages, each under its own timeout, logging to $OUT/<stage>.log.
+# GPU runs as a handful of named suites. One command per GPU call: install the carried FlashInfer
+# wheels (.whl/, if present) and this package, then run the named suites; each step runs under its
+# own timeout and logs to $OUT/<step>.log; benchmark rows go to $OUT/<suite>.jsonl (bench_generate,
+# bench_attention) or $OUT/kernels.json, in the schema of benchmarks/results/ (see
+# benchmarks/results_page.py), to be appended to benchmarks/results/<suite>_<machine>.jsonl.
 #
-#   bash benchmarks/gpu_session.sh tests gen1          # one device call (<= 10 min)
-#   bash benchmarks/gpu_session.sh paged plan kernels  # the next one
+#   bash benchmarks/gpu_session.sh tests              # one suite per device call (<= 10 min each)
+#   bash benchmarks/gpu_session.sh speed
+#   bash benchmarks/gpu_parallel.sh "tests" "speed"   # one suite per GPU of a multi-GPU machine
 #
-# Stages, most important first: tests (tiny variants on CUDA, decode graphs), gen1 (31b x 12
-# layers, batch 1: gemma4opt / HF eager / HF static+compile), gen32 (same at batch 32), paged
-# (FlashInfer op numerics, paged generate == eager, sync-free decode), plan (host step cost with
-# FlashInfer plan), kernels (Triton vs Inductor), realdims (bf16 error vs fp32 on real dims).
-# genfinal / gen2048 / gene4b / gen26b / gen31bfull: issue 5's table (paged vs HF static+compile
-# vs eager); attn: FlashInfer decode wrappers vs KV bytes; profile*, profpaged*: where a step goes.
-# genfinalab: issue 5's table plus gemma4opt without decode_linear (same run); linear / lintest: the
-# skinny decode GEMM against cuBLAS, and its tests; linsweep: every tile of it at 32 rows; normsweep: q/k
-# prep launch configs; moetest: the decode MoE experts kernels compiled and against HF at the 26b-a4b's
-# dimensions (then gen26b for the end-to-end effect); ktests: tests/kernels compiled; genpdl: genfinal plus
-# gemma4opt with programmatic dependent launch off.
-# A fresh machine JIT-compiles FlashInfer (~2 min for the 31b's configs): keep stages that share
-# configs in one call, or in calls back to back while the machine is warm.
+# Suites (limits are per step; a fresh machine JIT-compiles FlashInfer first, ~30 s per kernel
+# configuration, ~2-3 min for the 31b's: keep suites that share configurations back to back while
+# the machine is warm):
+#   tests      tests/kernels compiled on the GPU (every Triton kernel, the PDL chain; limit 240 s),
+#              then tests/gpu but the paged file: generate (decode graphs, deferred stop, real
+#              dimensions), the skinny GEMM, the MoE decode kernels, the Triton decode kernel (330 s).
+#   tests-paged  tests/gpu/test_gpu_paged.py: FlashInfer numerics, paged generate == eager, sync-free
+#              decode, bucket graphs, fast replan (limit 540 s, most of it FlashInfer's JIT when fresh).
+#   features   HF generate features on the one-liner, in CUDA graphs (tests/gpu/test_gpu_features.py:
+#              continuing a returned paged cache, assisted decoding with an optimized assistant and
+#              prompt lookup, tokens == eager; limit 300 s), then bench_assisted.py: e2b drafting for
+#              the 31b x 12 against the 31b alone (limit 300 s).
+#   speed      31b x 12 layers, batch 1 and 32: the one-liner (every default, first on a fresh machine
+#              so its warm-up includes FlashInfer's JIT), the paged mode sized for the run, HF static
+#              cache + torch.compile, HF eager (limit 560 s; the one-liner's first generate took 168 s
+#              fresh); then batch 8 and 128 of the paged mode against both baselines (limit 560 s).
+#   speed-presets   e4b and 26b-a4b at batch 1, paged mode vs HF static + compile vs eager
+#              (limit 400 s each).
+#   speed-31b-full  the 60-layer 31b at batch 1, same systems (limit 590 s; 62 GB, no model copies).
+#   kernels    bench_kernels.py: every fused Triton kernel against Inductor's code (limit 330 s), then
+#              the decode GEMMs against cuBLAS (limit 300 s).
+#   attention  bench_attention.py: the Triton decode kernel and FlashInfer's decode over paged KV,
+#              both attention kinds, batch 1-64, context 160-4096 (limit 300 s), and the host work of
+#              a decode step (bench_plan.py --begin-step, limit 120 s).
+#   profile    profile_decode.py on the 31b x 12, paged mode, batch 1 and 32: device time per decode
+#              step by kernel category (limits 240 / 330 s).
+#
+# Any step runs by hand as the command after its limit below, e.g.
+#   python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 32 \
+#       --systems gemma4opt gemma4opt-paged static_compile eager --json rows.jsonl
+#   python3 -m pytest -q tests/gpu/test_gpu_paged.py -k window
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gemma4opt-out}
@@ -35,106 +57,40 @@ stage() {
   echo "== $name rc=${PIPESTATUS[0]}"
 }
 PYTEST="python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short"
+GEN="python3 benchmarks/bench_generate.py --preset"
 for s in "$@"; do
   case $s in
-    # The one-liner (optimize(model), every default) first on a fresh machine, so its warm-up column
-    # includes FlashInfer's JIT; then the paged mode sized for the run, HF static + compile, HF eager.
-    oneliner) stage oneliner 560 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 32 \
-            --systems gemma4opt gemma4opt-paged static_compile eager --json "$OUT/oneliner.jsonl" ;;
-    # HF generate features on the one-liner in CUDA graphs (continuing a returned cache, assisted
-    # decoding), then e2b drafting for the 31b x 12 against the 31b alone.
-    features) MAX_JOBS=16 stage features 240 $PYTEST -s tests/gpu/test_gpu_features.py ;;
-    assisted) stage assisted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
+    tests)
+      stage tests-kernels 240 $PYTEST tests/kernels
+      stage tests-gpu 330 $PYTEST tests/gpu --ignore=tests/gpu/test_gpu_paged.py ;;
+    tests-paged) MAX_JOBS=16 stage tests-paged 540 $PYTEST -s tests/gpu/test_gpu_paged.py ;;
+    speed)
+      stage speed-oneliner 560 $GEN 31b --layers 12 --batch 1 32 \
+            --systems gemma4opt gemma4opt-paged static_compile eager --json "$OUT/generate.jsonl"
+      stage speed-batches 560 $GEN 31b --layers 12 --batch 8 128 \
+            --systems gemma4opt-paged static_compile eager --json "$OUT/generate.jsonl" ;;
+    speed-presets)
+      stage speed-e4b 400 $GEN e4b --batch 1 --systems gemma4opt-paged static_compile eager --json "$OUT/generate.jsonl"
+      stage speed-26b 400 $GEN 26b-a4b --batch 1 --systems eager static_compile gemma4opt-paged --json "$OUT/generate.jsonl" ;;
+    speed-31b-full)
+      stage speed-31b-full 590 $GEN 31b --batch 1 --systems eager static_compile gemma4opt-paged \
+            --json "$OUT/generate.jsonl" ;;   # 62 GB: gemma4opt last, on the model itself
+    kernels)
+      stage kernels 330 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json"
+      stage kernels-linear 300 python3 benchmarks/bench_kernels.py --linear --presets 31b e4b --m 1 8 32 \
+            --json "$OUT/linear.json" ;;
+    attention)
+      MAX_JOBS=16 stage attention 300 python3 benchmarks/bench_attention.py --variants triton fa2 \
+            --batch 1 8 32 64 --context 160 1024 4096 --json "$OUT/attention.jsonl"
+      stage attention-host 120 python3 benchmarks/bench_plan.py --device cuda --begin-step ;;
+    profile)
+      stage profile-1 240 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --attention paged
+      stage profile-32 330 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --batch 32 \
+            --attention paged ;;
+    features)
+      MAX_JOBS=16 stage features-tests 300 $PYTEST -s tests/gpu/test_gpu_features.py
+      stage features-assisted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --json "$OUT/assisted.jsonl" ;;
-    tests) stage tests 150 $PYTEST tests/gpu/test_gpu_generate.py -k "captured" ;;
-    gen1) stage gen1 330 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 \
-            --systems gemma4opt eager static_compile --json "$OUT/gen.jsonl" ;;
-    gen32) stage gen32 330 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 32 \
-            --systems gemma4opt eager static_compile --json "$OUT/gen.jsonl" ;;
-    paged) MAX_JOBS=16 stage paged 480 $PYTEST -s tests/gpu/test_gpu_paged.py ;;  # JIT: ~30 s per kernel config
-    plan) stage plan 120 python3 benchmarks/bench_plan.py --device cuda ;;
-    kernels) stage kernels 330 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" ;;
-    realdims) stage realdims 200 $PYTEST -s tests/gpu/test_gpu_generate.py -k "real_dims" ;;
-    profile) stage profile 150 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 ;;
-    profile32) stage profile32 150 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --batch 32 ;;
-    profpaged1) stage profpaged1 240 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --attention paged ;;
-    profpaged32) stage profpaged32 330 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --batch 32 --attention paged ;;
-    attn) MAX_JOBS=16 stage attn 420 python3 benchmarks/bench_attention.py --json "$OUT/attention.jsonl" ;;
-    genpaged) stage genpaged 420 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 32 \
-            --systems gemma4opt-paged gemma4opt static_compile eager --json "$OUT/gen.jsonl" ;;
-    deferpaged) MAX_JOBS=16 stage deferpaged 170 $PYTEST -s tests/gpu/test_gpu_generate.py -k "deferred and paged" ;;
-    genfinal) stage genfinal 560 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 128 \
-            --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;
-    kvtest) stage kvtest 90 $PYTEST tests/kernels/test_kv_append_kernel.py ;;
-    gen2048) stage gen2048 590 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 128 --prompt 2048 \
-            --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;
-    gene4b) stage gene4b 400 python3 benchmarks/bench_generate.py --preset e4b --batch 1 32 \
-            --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;
-    gene4b1) stage gene4b1 220 python3 benchmarks/bench_generate.py --preset e4b --batch 1 \
-            --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;
-    gen26b) stage gen26b 400 python3 benchmarks/bench_generate.py --preset 26b-a4b --batch 1 \
-            --systems eager static_compile gemma4opt-paged --json "$OUT/gen.jsonl" ;;
-    gen31bfull) stage gen31bfull 590 python3 benchmarks/bench_generate.py --preset 31b --batch 1 \
-            --systems eager static_compile gemma4opt-paged --json "$OUT/gen.jsonl" ;;   # 62 GB: no copies
-    plangraph) stage plangraph 200 python3 benchmarks/bench_plan.py --device cuda --graph ;;   # fast replan
-    plangraphfull) stage plangraphfull 200 python3 benchmarks/bench_plan.py --device cuda --graph --full-plan ;;
-    replantest) MAX_JOBS=16 stage replantest 240 $PYTEST -s tests/gpu/test_gpu_paged.py -k "replan" ;;
-    planprof) stage planprof 150 python3 benchmarks/bench_plan.py --device cuda --batch 64 --steps 50 --profile ;;
-    gen1paged) stage gen1paged 300 python3 benchmarks/bench_generate.py --preset 31b --layers 12 \
-            --batch 1 --systems gemma4opt gemma4opt-paged eager static_compile --json "$OUT/gen.jsonl" ;;
-    pagedfix) MAX_JOBS=16 stage pagedfix 420 $PYTEST -s tests/gpu/test_gpu_paged.py -k "sync or bucket or float32" ;;
-    testsdefer) stage testsdefer 150 $PYTEST tests/gpu/test_gpu_generate.py -k "captured or deferred or sync" ;;
-    qkvtest) stage qkvtest 120 $PYTEST tests/kernels/test_qkv_norm_rope_append_kernel.py tests/kernels/test_rms_norm_rope_kernel.py ;;
-    attnsplit) MAX_JOBS=16 stage attnsplit 240 python3 benchmarks/bench_attention.py --variants fa2 --split auto c4 c8 c16 \
-            --batch 1 8 --context 160 1024 4096 --json "$OUT/attention_split.jsonl" ;;
-    dectest) stage dectest 200 $PYTEST -s tests/kernels/test_paged_decode_kernel.py tests/gpu/test_gpu_decode_kernel.py ;;
-    gentri) stage gentri 560 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 128 \
-            --systems gemma4opt-paged gemma4opt-paged-fi static_compile eager --json "$OUT/gen.jsonl" ;;
-    gentri2) stage gentri2 560 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 128 \
-            --systems gemma4opt-paged gemma4opt-paged-auto static_compile eager --json "$OUT/gen.jsonl" ;;
-    attncfg) stage attncfg 300 bash -c 'python3 benchmarks/bench_attention.py --kinds sliding --variants triton \
-            --batch 1 8 32 64 --context 160 1024 4096 --json "$OUT/attention_cfg.jsonl" && \
-            python3 benchmarks/bench_attention.py --kinds full --variants triton triton-b32-w4-s2 triton-b32-w8-s3 \
-            triton-b64-w8-s2 --batch 1 8 32 64 --context 160 1024 4096 --json "$OUT/attention_cfg.jsonl"' ;;
-    pagedcore) MAX_JOBS=16 stage pagedcore 480 $PYTEST -s tests/gpu/test_gpu_paged.py -k "sync or bucket or window" ;;
-    bucketsync) MAX_JOBS=8 stage bucketsync 480 $PYTEST -s tests/gpu/test_gpu_paged.py -k "sync or bucket" ;;  # few JIT jobs: a benchmark may share the host
-    linear) stage linear 300 python3 benchmarks/bench_kernels.py --linear --presets 31b e4b --m 1 8 32 \
-            --json "$OUT/linear.json" ;;   # skinny Triton GEMM (autotuned) vs cuBLAS
-    windowtest) MAX_JOBS=16 stage windowtest 280 $PYTEST -s tests/gpu/test_gpu_paged.py -k "window" ;;
-    bucketonly) MAX_JOBS=16 stage bucketonly 450 $PYTEST -s tests/gpu/test_gpu_paged.py -k "bucket" ;;
-    # HF static + compile first, on an empty GPU, with expandable segments: after gemma4opt it ran out of
-    # memory in its eager prefill (16 GiB SDPA buffer; 22.7 GiB reserved but fragmented, 40.7 GiB in
-    # its cudagraph pools). gemma4opt runs last, on the model itself (no copy).
-    gen2048b128) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True stage gen2048b128 540 python3 \
-            benchmarks/bench_generate.py --preset 31b --layers 12 --batch 128 --prompt 2048 \
-            --systems static_compile eager gemma4opt-paged --json "$OUT/gen.jsonl" ;;
-    genfinalab) stage genfinalab 440 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 128 \
-            --systems gemma4opt-paged static_compile eager gemma4opt-paged-cublas --json "$OUT/gen.jsonl" ;;  # + decode_linear off
-    genab) stage genab 420 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 \
-            --systems gemma4opt-paged gemma4opt-paged-cublas eager --json "$OUT/gen.jsonl" ;;  # decode_linear on/off
-    normsweep) stage normsweep 300 python3 benchmarks/bench_kernels.py --sweep-norm-rope --presets 31b e4b \
-            --m 1 32 256 8192 --json "$OUT/normsweep.jsonl" ;;   # q/k prep launch configs (head_block)
-    linsweep) stage linsweep 360 python3 benchmarks/bench_kernels.py --sweep-linear --presets 31b --m 32 \
-            --json "$OUT/linsweep.jsonl" ;;   # every skinny GEMM tile vs cuBLAS at 32 rows
-    gen32ab) stage gen32ab 320 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 32 --repeats 5 \
-            --systems gemma4opt-paged static_compile gemma4opt-paged-cublas --json "$OUT/gen.jsonl" ;;  # batch 32, best of 5
-    moetest) stage moetest 150 $PYTEST tests/kernels/test_moe_experts_kernel.py tests/gpu/test_gpu_moe_experts.py ;;
-    sweepgelu) stage sweepgelu 150 python3 benchmarks/bench_kernels.py --sweep gelu --m 1 32 256 8192 --json "$OUT/sweep_gelu.jsonl" ;;
-    sweepsoftcap) stage sweepsoftcap 150 python3 benchmarks/bench_kernels.py --sweep softcap --m 1 32 256 --json "$OUT/sweep_softcap.jsonl" ;;
-    sweepnr) stage sweepnr 150 python3 benchmarks/bench_kernels.py --sweep norm_rope --presets 31b e4b --m 32 256 --json "$OUT/sweep_nr.jsonl" ;;
-    pdltest) stage pdltest 90 $PYTEST tests/kernels/test_pdl.py ;;
-    genpdl132) stage genpdl132 240 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 32 \
-            --systems gemma4opt-paged static_compile eager gemma4opt-paged-nopdl --json "$OUT/gen.jsonl" ;;
-    sweepmoe) stage sweepmoe 150 python3 benchmarks/bench_kernels.py --sweep moe --presets 26b-a4b --m 1 4 8 --json "$OUT/sweep_moe.jsonl" ;;
-    ktests) stage ktests 240 $PYTEST tests/kernels ;;     # every kernel test compiled on the GPU (PDL chain included)
-    genpdl) stage genpdl 470 python3 benchmarks/bench_generate.py --preset 31b --layers 12 --batch 1 8 32 128 \
-            --systems gemma4opt-paged static_compile eager gemma4opt-paged-nopdl --json "$OUT/gen.jsonl" ;;  # + PDL off
-    lintest) stage lintest 150 $PYTEST tests/kernels/test_skinny_linear_kernel.py tests/gpu/test_gpu_linear.py ;;
-    gene4b32) stage gene4b32 260 python3 benchmarks/bench_generate.py --preset e4b --batch 32 \
-            --systems gemma4opt-paged static_compile eager --json "$OUT/gen.jsonl" ;;
-    stepcost) stage stepcost 120 python3 benchmarks/bench_plan.py --device cuda --begin-step ;;
-    attntri) MAX_JOBS=16 stage attntri 300 python3 benchmarks/bench_attention.py --variants triton fa2 \
-            --batch 1 8 32 64 --context 160 1024 4096 --json "$OUT/attention_triton.jsonl" ;;
-    *) echo "unknown stage $s" ;;
+    *) echo "unknown suite $s (tests, tests-paged, features, speed, speed-presets, speed-31b-full, kernels, attention, profile)" ;;
   esac
 done

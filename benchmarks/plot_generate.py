@@ -1,6 +1,6 @@
 """ms per decode step against batch size, one line per system plus the HBM roofline, as a PNG.
 
-    python benchmarks/plot_generate.py benchmarks/results/generate_31b_l12_h200.jsonl --out plot.png
+    python benchmarks/plot_generate.py benchmarks/results/generate_h200.jsonl --preset 31b --layers 12 --prompt 128 --out plot.png
     python benchmarks/plot_generate.py rows.jsonl --preset 31b --layers 12 --prompt 128
 
 Reads the JSON lines bench_generate.py writes (--json). Where a (system, batch) was measured more

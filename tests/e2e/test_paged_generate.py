@@ -150,6 +150,26 @@ def test_sampling_and_inductor_lowering_on_paged_cache():
     assert torch.equal(_gen(model, ids, do_sample=True, top_k=20), sampled)
 
 
+@pytest.mark.parametrize("attention", ["hf", "paged"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sampling_draws_eagers_tokens_on_every_variant(variant, attention):
+    """Sampled generate (top-k, temperature) with the same seed draws HF eager's tokens, on
+    every tiny variant, over HF's cache and over the paged cache (prompt past the window)."""
+    import dataclasses
+
+    model = tiny(variant)
+    ids = prompt(2, WINDOW + 4, seed=7)
+    kw = dict(do_sample=True, top_k=20, temperature=1.5)
+    greedy = _gen(model, ids)
+    torch.manual_seed(5)
+    want = _gen(model, ids, **kw)
+    assert not torch.equal(want, greedy), "sampling drew the greedy tokens: the check below would test nothing"
+    gemma4opt.optimize(model, dataclasses.replace(PAGED, attention=attention))
+    torch.manual_seed(5)
+    assert torch.equal(_gen(model, ids, **kw), want)
+    assert gemma4opt.report(model, print_table=False).compiled_calls > 0
+
+
 def test_conditional_generation_on_paged_cache():
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 

@@ -1,4 +1,6 @@
 """Every fusion on the real HF modules of each tiny variant: exact counts, numerics, nothing left behind."""
+import collections
+
 import pytest
 import torch
 
@@ -37,6 +39,36 @@ def test_pattern_count_numerics_coverage(variant, pattern):
     ops = c.ops()
     for op in GONE.get(pattern, []):
         assert ops[op] == 0, (op, ops)
+
+
+def _linears_by_weight(c):
+    """Linear nodes of the last rewritten graph, keyed by the projection whose weight they read."""
+    from gemma4opt.compiler.regions import op_name
+
+    out = collections.Counter()
+    for n in c.graphs[-1].graph.nodes:
+        if n.op.startswith("call") and op_name(n) == "linear":
+            w = str(n.args[1])
+            proj = next((p for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj") if f"_{p}_" in w), None)
+            out["merged" if w.endswith("_merged") else proj or "other"] += 1
+    return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_merged_projections_leave_no_separate_projection(variant):
+    """After merged_projections no linear reads a k/v/gate/up weight on its own, q_proj is left
+    only in KV-shared layers (they own nothing to merge it with), one merged GEMM per match, and
+    every other linear is untouched."""
+    ids = prompt(2, 11)
+    before = Compiled(tiny(variant), [], text_config=tiny(variant).config)
+    before(ids)
+    c, got, want, cfg = _run(variant, ["merged_projections"])
+    b, a = _linears_by_weight(before), _linears_by_weight(c)
+    assert b["merged"] == 0 and b["k_proj"] > 0 and b["gate_proj"] > 0          # the pass had work to do
+    assert a["k_proj"] == a["v_proj"] == a["gate_proj"] == a["up_proj"] == 0, a
+    assert a["q_proj"] == (cfg.num_kv_shared_layers or 0), a
+    assert a["merged"] == c.matched("merged_projections") > 0
+    assert a["other"] == b["other"], (a, b)
 
 
 def test_moe_experts_matches_hfs_decode_path_batched_mm():

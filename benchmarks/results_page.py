@@ -1,0 +1,170 @@
+"""docs/results.md from benchmarks/results/: one table per run of each suite, nothing typed by hand.
+
+    python benchmarks/results_page.py                 # rewrites docs/results.md
+    python benchmarks/results_page.py --check         # exit 1 if docs/results.md is not what it writes
+
+One JSON-lines file per suite, every row carrying its run id, the commit that recorded it, the
+machine and the command that measured it: generate_<machine>.jsonl (bench_generate.py),
+kernels_<machine>.jsonl (bench_kernels.py), attention_<machine>.jsonl (bench_attention.py),
+sweeps_<machine>.jsonl (launch-configuration sweeps); profile_<machine>.txt is profile_decode.py's
+printout. Ratios compare rows of the same run, same batch and prompt only.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+PAGE = os.path.join(ROOT, "docs", "results.md")
+SYSTEM_NAMES = {"eager": "HF eager", "static_compile": "HF static cache + torch.compile",
+                "gemma4opt": "gemma4opt one-liner", "gemma4opt-paged": "gemma4opt paged, sized for the run"}
+
+
+def _rows(pattern):
+    out = []
+    for path in sorted(glob.glob(os.path.join(RESULTS, pattern))):
+        with open(path) as f:
+            out += [dict(json.loads(line), file=os.path.basename(path)) for line in f if line.strip()]
+    return out
+
+
+def _runs(rows):
+    runs = collections.OrderedDict()
+    for r in rows:
+        runs.setdefault(r["run"], []).append(r)
+    return list(reversed(runs.items()))       # rows are appended as runs happen: newest first
+
+
+def _f(v, fmt="{:.2f}", none="—"):
+    return none if v is None else fmt.format(v)
+
+
+def _pct(v):
+    return _f(v, "{:.0%}")
+
+
+def _head(rid, rows):
+    r = rows[0]
+    return [f"### {rid}", "", f"`{r['command']}` — {r['machine']}, "
+            + (f"recorded in commit {r['commit']}, " if r.get("commit") else "") + f"`benchmarks/results/{r['file']}`", ""]
+
+
+def generate_section(rows):
+    out = ["## generate", "", "HF `generate`, greedy, one process, every system on the same random-weight model "
+           "(bf16). ms/step: decode steps after the first token. Roofline: weight + KV bytes per step at the "
+           "measured copy bandwidth. Ratios: against HF static cache + torch.compile and HF eager of the same "
+           "run, batch and prompt.", ""]
+    for rid, rs in _runs(rows):
+        out += _head(rid, rs)
+        r0 = rs[0]
+        out.append(f"{r0['preset']} × {r0['layers']} layers, prompt {r0['prompt']}, {r0['new']} new tokens.")
+        notes = sorted({r["note"] for r in rs if r.get("note")} | {f"`{r['system']}`: {r['mode']}" for r in rs
+                                                                  if r.get("mode")})
+        out += [f"- {n}" for n in notes]
+        out += ["", "| batch | system | warm-up s | TTFT ms | ms/step | tokens/s | of roofline | vs HF static + compile "
+                "| vs HF eager | tokens == eager |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        by = {(r["batch"], r["prompt"], r["system"]): r for r in rs}
+        for r in sorted(rs, key=lambda r: (r["batch"], r["prompt"])):
+            static = by.get((r["batch"], r["prompt"], "static_compile"))
+            eager = by.get((r["batch"], r["prompt"], "eager"))
+            vs = lambda base: None if base is None else base["ms_per_step"] / r["ms_per_step"]   # noqa: E731
+            same = {True: "yes", False: "no", None: "—"}[r["tokens_equal_eager"]] if r["system"] != "eager" else "—"
+            out.append(f"| {r['batch']} | {SYSTEM_NAMES.get(r['system'], r['system'])} | {_f(r.get('warmup_s'), '{:.1f}')} "
+                       f"| {_f(r['ttft_ms'], '{:.1f}')} | {r['ms_per_step']:.2f} | {r['tok_s']:.0f} | "
+                       f"{_pct(r['roofline_frac'])} | {_f(vs(static), '{:.2f}×')} | {_f(vs(eager), '{:.2f}×')} | {same} |")
+        out.append("")
+    return out
+
+
+def kernels_section(rows):
+    out = ["## kernels", "", "Each Triton kernel against the code it replaces (Inductor's for the unfused "
+           "subgraph, or cuBLAS for the decode GEMMs), both replayed back to back in CUDA graphs. µs per call; "
+           "speedup = baseline ÷ Triton; of copy BW: bytes read + written ÷ time ÷ copy bandwidth.", ""]
+    for rid, rs in _runs(rows):
+        out += _head(rid, rs)
+        out += ["| preset | M | op | Triton µs | without PDL | baseline | baseline µs | speedup | of copy BW |",
+                "|---|---:|---|---:|---:|---|---:|---:|---:|"]
+        for r in rs:
+            out.append(f"| {r.get('preset', '')} | {r.get('M', '')} | {r['op']} | {r['triton_us']:.2f} | "
+                       f"{_f(r.get('triton_no_pdl_us'))} | {r.get('baseline', '')} | {_f(r.get('baseline_us'))} | "
+                       f"{_f(r.get('speedup'), '{:.2f}×')} | {_pct(r.get('frac_copy_bw'))} |")
+        out.append("")
+    return out
+
+
+def attention_section(rows):
+    out = ["## attention", "", "One decode query per sequence over the paged KV cache, the 31b's two attention "
+           "kinds (sliding: 32/16 heads, head_dim 256, window 1024; full: 32/4 heads, head_dim 512). µs per "
+           "layer (CUDA graph of 20 runs); of copy BW: KV bytes read ÷ time ÷ copy bandwidth.", ""]
+    for rid, rs in _runs(rows):
+        out += _head(rid, rs)
+        out += ["| kind | variant | batch | context | µs | KV MB | of copy BW |", "|---|---|---:|---:|---:|---:|---:|"]
+        for r in rs:
+            out.append(f"| {r['kind']} | {r['variant']} | {r['batch']} | {r['context']} | {r['us']:.1f} | "
+                       f"{r['kv_mb']:.1f} | {_pct(r['bw_frac'])} |")
+        out.append("")
+    return out
+
+
+def sweeps_section(rows):
+    out = ["## sweeps", "", "Launch configurations of one kernel timed one by one; `default` is the launch the "
+           "code used when the sweep ran (the autotuned tile for the skinny GEMM).", ""]
+    for rid, rs in _runs(rows):
+        out += _head(rid, rs)
+        out += ["| preset | M | op | default µs | best | best µs | default ÷ best |", "|---|---:|---|---:|---|---:|---:|"]
+        for r in rs:
+            best = str(r["best"]).replace("|", "/")
+            out.append(f"| {r['preset']} | {r['M']} | {r['op']} | {r['default_us']:.2f} | `{best}` | "
+                       f"{r['best_us']:.2f} | {r['default_us'] / r['best_us']:.2f}× |")
+        out.append("")
+    return out
+
+
+def profile_section():
+    out = ["## profile", ""]
+    for path in sorted(glob.glob(os.path.join(RESULTS, "profile_*.txt"))):
+        out += [f"`benchmarks/results/{os.path.basename(path)}`: device time per decode step by kernel category "
+                "(`python3 benchmarks/profile_decode.py --preset 31b --layers 12 --batch 32 --new 32`, HF static "
+                "cache mode). Its first lines:", "", "```"]
+        with open(path) as f:
+            out += [line.rstrip() for line in f][:9]
+        out += ["```", ""]
+    return out
+
+
+def render() -> str:
+    lines = ["# Results", "", "Generated by `python benchmarks/results_page.py` from `benchmarks/results/`; do not "
+             "edit by hand. Every figure is a row of those files. Runs are listed newest first; a run id is "
+             "the date it was recorded and the name of the file it was first recorded in. Suites and their "
+             "commands: `benchmarks/gpu_session.sh`.", ""]
+    lines += generate_section(_rows("generate_*.jsonl"))
+    lines += kernels_section(_rows("kernels_*.jsonl"))
+    lines += attention_section(_rows("attention_*.jsonl"))
+    lines += sweeps_section(_rows("sweeps_*.jsonl"))
+    lines += profile_section()
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="compare with docs/results.md instead of writing it")
+    ap.add_argument("--out", default=PAGE)
+    args = ap.parse_args(argv)
+    text = render()
+    if args.check:
+        with open(args.out) as f:
+            same = f.read() == text
+        print("docs/results.md is up to date" if same else "docs/results.md differs: run benchmarks/results_page.py")
+        return 0 if same else 1
+    with open(args.out, "w") as f:
+        f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
