@@ -56,6 +56,7 @@ class PagedCache(Cache):
     # HF generate is handed this cache, so it counts as returned: HF defers its stop check
     # (runtime/stop_check.py) only for a cache that can undo the one extra step that costs.
     is_croppable = True
+    record_past = False
 
     def __init__(self, context, num_layers: int):
         super().__init__(layers=[PagedLayer() for _ in range(num_layers)])
@@ -78,11 +79,20 @@ class PagedCache(Cache):
     def released(self) -> bool:
         return self._held["rows"] is None
 
+    def activate_past_recording(self) -> None:
+        """HF's call before it may crop several tokens (assisted decoding) or its last step (the
+        deferred stop check): sliding layers keep RECORD_MARGIN tokens past their window for
+        this cache's rows, so the window of what is left after a crop is still in the pages."""
+        self.record_past = True
+        if self.rows is not None:
+            self.context.record_past(self.rows)
+
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens: HF's deferred stop check undoing its extra
         step (``crop(-1)``), assisted decoding removing rejected draft tokens; ``crop(0)`` does
         nothing. The paged sequences shrink too (pages past the new end go back to the pool),
         so the next step writes where the dropped tokens were."""
+        tokens_to_remove = int(tokens_to_remove)    # HF's assisted decoding passes a 0-d tensor
         if tokens_to_remove > 0:
             raise ValueError(f"PagedCache.crop({tokens_to_remove}): pass -n to drop the last n tokens (as HF's "
                              "caches do); a positive length is not supported")

@@ -82,6 +82,10 @@ class PagedSequences:
         self.first = np.zeros(max_batch, dtype=np.int64)        # first live logical page
         self.count = np.zeros(max_batch, dtype=np.int64)        # logical pages allocated so far (live + freed)
         self.active = np.zeros(max_batch, dtype=bool)
+        # Tokens kept past the window per row (sliding kinds): a cache recording its past (HF's
+        # activate_past_recording: assisted decoding, the deferred stop check) may crop that many
+        # tokens off and still have every page its new end's window sees.
+        self.margin = np.zeros(max_batch, dtype=np.int64)
         self.max_seq_len = max_seq_len
         self._cached = None   # (rows, kv_indptr, kv_indices, kv_start) while no page was added or freed
         self._fast = None     # (rows object, decode steps left without page changes, last StepMeta)
@@ -188,7 +192,7 @@ class PagedSequences:
         first = self.first[rows]
         drop = None
         if self.window is not None:
-            dead = np.maximum(old - (self.window - 1), 0) // ps
+            dead = np.maximum(old - (self.window - 1) - self.margin[rows], 0) // ps
             if int((dead - first).max()) > 1:
                 return None
             drop = dead > first
@@ -222,7 +226,7 @@ class PagedSequences:
         if self.window is None:
             return None
         first = self.first[rows]
-        drop = np.maximum(np.maximum(old - (self.window - 1), 0) // self.pool.page_size - first, 0)
+        drop = np.maximum(np.maximum(old - (self.window - 1) - self.margin[rows], 0) // self.pool.page_size - first, 0)
         if not drop.any():
             return None
         self._release(rows, first, drop)
@@ -320,7 +324,7 @@ class PagedSequences:
         steps = min(steps, int(self.max_seq_len - length.max()))
         if self.window is not None:
             # The step with old length L + j frees a page once L + j - window + 1 reaches (first + 1) * ps.
-            steps = min(steps, int(((self.first[rows] + 1) * ps + self.window - 1 - length).min()))
+            steps = min(steps, int(((self.first[rows] + 1) * ps + self.window - 1 + self.margin[rows] - length).min()))
         return max(steps, 0)
 
     def _page_lists(self, rows, drop, grow, ids):
@@ -377,5 +381,5 @@ class PagedSequences:
         rows = rows[self.active[rows]]
         self._release(rows, self.first[rows], self.count[rows] - self.first[rows])
         self._cached = self._fast = self._table_fast = None
-        self.seq_len[rows] = self.first[rows] = self.count[rows] = 0
+        self.seq_len[rows] = self.first[rows] = self.count[rows] = self.margin[rows] = 0
         self.active[rows] = False

@@ -18,6 +18,9 @@ from gemma4opt.config import CPU_KV_POOL_BYTES
 from gemma4opt.runtime.decode_graphs import mark_fixed
 
 KINDS = ("sliding_attention", "full_attention")
+# Tokens a recording cache keeps past the sliding window: the most HF may crop at once (an
+# assisted draft is at most num_assistant_tokens, 20 by default, growing by 2 per accepted draft).
+RECORD_MARGIN = 128
 # Per-kind page metadata the attention ops read on the device: all of it for the reference
 # attention; with FlashInfer (whose plan took the rest from host arrays) only what kv_append and
 # plan read there. Fields not staged are passed as one empty tensor the CUDA op ignores.
@@ -167,6 +170,8 @@ class StepContext:
         if first:
             cache.rows = self.acquire_rows(batch)
             self._owner = _weak(cache)
+            if cache.record_past:
+                self.record_past(cache.rows)
         elif len(cache.rows) != batch:
             raise ValueError(f"gemma4opt: this PagedCache holds {len(cache.rows)} sequences and the step has {batch}; "
                              "continue a cache with the batch it was made with")
@@ -326,6 +331,12 @@ class StepContext:
         if cache.rows is not None:
             rows, cache.rows = cache.rows, None
             self.release_rows(rows)
+
+    def record_past(self, rows) -> None:
+        """Sliding kinds keep RECORD_MARGIN tokens past the window for these rows, so HF can crop
+        a rejected draft (assisted decoding) or an undone step (deferred stop check) off them."""
+        for kind in KINDS:
+            self.seqs[kind].margin[rows] = RECORD_MARGIN
 
     def crop(self, rows, n: int) -> None:
         """Drop the last ``n`` tokens of these rows in every kind (all kinds are checked first)."""

@@ -66,6 +66,9 @@ def install_paged(model, target, state, device, dtype, edits) -> None:
             return original_generate(*args, **kwargs)      # beam search, static cache, attentions...: HF's path
         check_generate_limits(ctx, model, args, kwargs, None, gen)
         cache = PagedCache(ctx, state.text_config.num_hidden_layers)
+        if getattr(gen, "is_assistant", False):
+            # HF marks the caches it makes for an assistant, which it crops by whole drafts.
+            cache.activate_past_recording()
         kwargs[cache_kw] = cache
         out = None
         try:

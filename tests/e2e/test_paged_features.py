@@ -126,6 +126,19 @@ def test_crop_then_continue_and_several_live_caches(variant):
     cache.release()
 
 
+def test_crop_takes_the_count_as_a_tensor():
+    """transformers' assisted decoding passes crop() a 0-d tensor (seen on the GPU machine's 5.17)."""
+    from gemma4opt.runtime.paged_generate import _returned_cache
+
+    _, model = _pair("tiny")
+    cache = _returned_cache(_gen(model, prompt(1, 6, seed=5), return_dict_in_generate=True))
+    n = cache.get_seq_length()
+    cache.crop(torch.tensor(-2))
+    assert cache.get_seq_length() == n - 2
+    assert model._gemma4opt.context.seqs["full_attention"].seq_len[cache.rows].tolist() == [n - 2]
+    cache.release()
+
+
 def test_crop_shrinks_paged_sequences():
     from gemma4opt.attention.pages import PagedSequences, PagePool
 
@@ -287,3 +300,28 @@ def test_too_long_or_too_large_is_refused_before_the_first_token():
         _gen(model, torch.cat([out.sequences, prompt(1, 8)], 1), new=8, cache=out.cache)
     assert st.compiled_calls == calls + 4          # the one generate that ran: prefill + 3 decode steps
     del out
+
+
+def test_recording_rows_keep_the_window_a_crop_needs():
+    """A cache recording its past (HF's activate_past_recording: assisted drafts) keeps a margin of
+    sliding pages past the window, so cropping a whole draft leaves every page the new end's window
+    sees; without it the same crop is refused, never wrong."""
+    from gemma4opt.attention.pages import PagedSequences, PagePool
+    from gemma4opt.runtime.context import RECORD_MARGIN
+
+    ps = 4
+    for margin in (RECORD_MARGIN, 0):
+        seqs = PagedSequences(PagePool(256, ps), 2, 200, WINDOW)
+        rows = np.array([1])
+        seqs.margin[rows] = margin
+        seqs.step(rows, np.array([20]))
+        for _ in range(9):
+            seqs.step(rows, np.array([1]), decode=True)
+        if margin:
+            seqs.crop(rows, 9)
+            assert seqs.seq_len[1] == 20
+            first_needed = (20 - (WINDOW - 1)) // ps
+            assert seqs.first[1] <= first_needed
+        else:
+            with pytest.raises(ValueError, match="cannot drop 9 tokens"):
+                seqs.crop(rows, 9)

@@ -63,6 +63,13 @@ def test_assisted_decoding_with_an_optimized_assistant_replays_graphs_and_equals
     assistant = build_model("e2b", 4, dtype=torch.bfloat16, device="cuda", seed=1)
     ref_assistant = copy.deepcopy(assistant)
     gemma4opt.optimize(assistant)
+    # A constant draft of 4 tokens: with random weights HF's heuristic schedule and its confidence
+    # threshold cut the draft to one token, and the assistant then never runs a one-token decode
+    # step to replay.
+    for m in (assistant, ref_assistant):
+        m.generation_config.num_assistant_tokens_schedule = "constant"
+        m.generation_config.num_assistant_tokens = 4
+        m.generation_config.assistant_confidence_threshold = 0.0     # else a low-confidence draft stops early
     ids, mask = _prompt(1, 24, model.config.vocab_size, seed=2)
     want = _greedy(ref, ids, mask, 16, assistant_model=ref_assistant)
     got = _greedy(model, ids, mask, 16, assistant_model=assistant)

@@ -144,3 +144,28 @@ def test_staged_metadata_is_read_in_place_not_copied_per_replay(monkeypatch, ker
         for i in runner.moving:
             if inputs[i].numel():
                 assert inputs[i].untyped_storage().data_ptr() not in (staged, tables), runner.gm.graph
+
+
+def test_assisted_decoding_replays_the_assistants_decode_graphs(monkeypatch):
+    """HF's assisted decoding with an optimized assistant (a constant 4-token draft): the
+    assistant's cache is cropped between rounds, its drafting steps replay its decode graphs, and
+    the tokens are HF eager's. (The target runs the "hf" mode here: the FlashInfer stand-in serves
+    one model's plans at a time.)"""
+    import copy
+
+    target, assistant = tiny("tiny"), tiny("tiny", seed=3)
+    ref, ref_assistant = copy.deepcopy(target), copy.deepcopy(assistant)
+    ctx = _optimize_with_stand_ins(monkeypatch, assistant)
+    gemma4opt.optimize(target, Gemma4OptConfig(attention="hf"))
+    for m in (assistant, ref_assistant):
+        m.generation_config.num_assistant_tokens_schedule = "constant"
+        m.generation_config.num_assistant_tokens = 4
+        m.generation_config.assistant_confidence_threshold = 0.0     # else a low-confidence draft stops early
+    ids = prompt(1, WINDOW + 3)
+    want = _gen(ref, ids, new=12, assistant_model=ref_assistant)
+    with _cpu_runs_flashinfer_path():
+        got = _gen(target, ids, new=12, assistant_model=assistant)
+    assert torch.equal(got, want)
+    st = assistant._gemma4opt
+    assert st.graphed_calls > 0 and st.graph_captures > 0
+    assert all(s.pages_held() == 0 for s in ctx.seqs.values())
