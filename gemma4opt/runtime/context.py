@@ -170,7 +170,7 @@ class StepContext:
         if first:
             cache.rows = self.acquire_rows(batch)
             self._owner = _weak(cache)
-            if cache.record_past:
+            if getattr(cache, "record_past", False):
                 self.record_past(cache.rows)
         elif len(cache.rows) != batch:
             raise ValueError(f"gemma4opt: this PagedCache holds {len(cache.rows)} sequences and the step has {batch}; "

@@ -153,11 +153,11 @@ def _optimized(variant, mode, how, moved):
     pm = model._gemma4opt.pass_manager
     run = pm.run
 
-    def run_reordered(gm, index):
+    def run_reordered(gm, index, **kw):
         if how is not None:
             moved.append(reorder(gm.graph, how))
             gm.recompile()
-        return run(gm, index)
+        return run(gm, index, **kw)
 
     pm.run = run_reordered
     return model

@@ -197,9 +197,13 @@ def test_paged_cache_under_hf_deferred_check_gives_per_step_results(monkeypatch,
     assert len(got.scores) == len(want.scores)
     assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(got.scores, want.scores))
     cache = got.past_key_values
-    assert isinstance(cache, PagedCache) and cache.released
+    # Returned (return_dict_in_generate): the cache keeps its pages for a continuation until released.
+    assert isinstance(cache, PagedCache) and not cache.released
     assert cache.get_seq_length() == want.sequences.shape[1] - 1   # the last token is never fed back
-    assert all(s.pages_held() == 0 for s in model._gemma4opt.context.seqs.values())
+    seqs = model._gemma4opt.context.seqs
+    assert seqs["full_attention"].seq_len[cache.rows].tolist() == [cache.get_seq_length()] * 2   # crop reached the pages
+    cache.release()
+    assert all(s.pages_held() == 0 for s in seqs.values())
 
 
 def test_paged_cache_crop_only_drops():
@@ -211,5 +215,5 @@ def test_paged_cache_crop_only_drops():
     cache.crop(0)
     cache.crop(-1)
     assert [layer.get_seq_length() for layer in cache.layers] == [8, 8]
-    with pytest.raises(ValueError, match="crop\\(-n\\)"):
+    with pytest.raises(ValueError, match="pass -n to drop the last n tokens"):
         cache.crop(2)
