@@ -6,9 +6,10 @@ faster when both were timed, cold in L2 as in a decode step, on that shape's fir
 if its result matched cuBLAS's to 16-bit rounding on the model's own weights there). Decode
 graphs make that call eagerly before they capture, so a replay never times anything; a shape first
 seen inside a capture takes cuBLAS. Why a pick per shape and not a rule: on an H200
-(``bench_kernels.py --linear``) the Triton GEMM was 1.04-1.11x cuBLAS on the 31b's o_proj and
-full-layer q/k/v at one row and 1.1-1.5x on every e4b GEMM at one row, while cuBLAS was up to 1.6x
-faster at 8-32 rows. Ties go to cuBLAS, whose sums are the ones HF's own GEMM makes.
+(``bench_kernels.py --linear``, run ``2026-11-30/linear`` in benchmarks/results/kernels_h200.jsonl)
+the Triton GEMM was 0.99-1.09x cuBLAS on the 31b's GEMMs at one row and 1.13-1.53x on every e4b
+GEMM at one row, while at 32 rows cuBLAS was up to 1.14x faster on the e4b's sliding q/k/v and
+o_proj. Ties go to cuBLAS, whose sums are the ones HF's own GEMM makes.
 """
 from __future__ import annotations
 
