@@ -82,7 +82,10 @@ def main(argv=None):
             calls = target._gemma4opt.compiled_calls - calls
             best = ms if best is None else min(best, ms)
         same = torch.equal(out, want)
-        row = dict(preset=args.preset, layers=target.config.get_text_config().num_hidden_layers,
+        row = dict(run=time.strftime("%Y-%m-%d %H:%M/") + f"{args.preset}_{args.assistant}_assisted",
+                   machine=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+                   command="python3 benchmarks/bench_assisted.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                   preset=args.preset, layers=target.config.get_text_config().num_hidden_layers,
                    assistant=args.assistant if helper is not None else None, batch=args.batch, prompt=args.prompt,
                    new=args.new, system=name, ms_per_token=best / args.new, target_calls=calls,
                    tokens_equal_eager=same)

@@ -97,6 +97,23 @@ def kernels_section(rows):
     return out
 
 
+def assisted_section(rows):
+    out = ["## assisted decoding", "", "HF `generate` with `assistant_model` (bench_assisted.py): the target alone and "
+           "the target with a small Gemma-4 drafting for it, both optimized, greedy, same prompt. ms/token: the whole "
+           "generate over the new tokens. Target calls: the target's forward calls for those tokens (random weights "
+           "reject most drafts: as many calls as tokens means none was accepted).", ""]
+    for rid, rs in _runs(rows):
+        out += _head(rid, rs)
+        out += ["| target | assistant | batch | prompt | new | system | ms/token | target calls | tokens == eager |",
+                "|---|---|---:|---:|---:|---|---:|---:|---|"]
+        for r in rs:
+            out.append(f"| {r['preset']} × {r['layers']} | {r['assistant'] or '—'} | {r['batch']} | {r['prompt']} | "
+                       f"{r['new']} | {r['system']} | {r['ms_per_token']:.2f} | {r['target_calls']} | "
+                       f"{'yes' if r['tokens_equal_eager'] else 'no'} |")
+        out.append("")
+    return out
+
+
 def attention_section(rows):
     out = ["## attention", "", "One decode query per sequence over the paged KV cache, the 31b's two attention "
            "kinds (sliding: 32/16 heads, head_dim 256, window 1024; full: 32/4 heads, head_dim 512). µs per "
@@ -144,6 +161,7 @@ def render() -> str:
              "commands: `benchmarks/gpu_session.sh`.", ""]
     lines += generate_section(_rows("generate_*.jsonl"))
     lines += kernels_section(_rows("kernels_*.jsonl"))
+    lines += assisted_section(_rows("assisted_*.jsonl"))
     lines += attention_section(_rows("attention_*.jsonl"))
     lines += sweeps_section(_rows("sweeps_*.jsonl"))
     lines += profile_section()
