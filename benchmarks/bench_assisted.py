@@ -47,6 +47,27 @@ def _assisted(model, assistant, ids, new):
     return out
 
 
+def _profile(target, assistant, ids, new, device):
+    """One assisted generate under torch.profiler: the host ops and device kernels that take its
+    time, and how many launches, graph replays and host syncs it made (per target call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    calls = target._gemma4opt.compiled_calls
+    with profile(activities=acts) as prof:
+        _assisted(target, assistant, ids, new)
+        _sync(device)
+    calls = target._gemma4opt.compiled_calls - calls
+    events = prof.key_averages()
+    count = {k: sum(e.count for e in events if k in e.key) for k in
+             ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "Synchronize", "plan")}
+    print(f"# profile of one assisted generate: {calls} target calls; " + ", ".join(
+        f"{k}: {v} ({v / max(calls, 1):.1f} per call)" for k, v in count.items()))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25))
+    if device.startswith("cuda"):
+        print(events.table(sort_by="self_cuda_time_total", row_limit=15))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", choices=sorted(ALL_PRESETS))
@@ -59,6 +80,9 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default=None, help="append result rows to this JSON-lines file")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing, profile one assisted generate: where a round's time goes (host ops, "
+                         "kernels, launches, syncs)")
     args = ap.parse_args(argv)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     target = build_model(args.preset, args.layers, dtype=dtype, device=args.device)
@@ -93,6 +117,8 @@ def main(argv=None):
         print(f"{name:>20}: {row['ms_per_token']:.2f} ms/token (whole generate / new tokens), {calls} target "
               f"forward calls for {args.new} tokens, tokens==eager {same}", flush=True)
     print(f"{'HF eager, target':>20}: {eager_ms / args.new:.2f} ms/token (one run, compile-free)")
+    if args.profile:
+        _profile(target, assistant, ids, args.new, args.device)
     st = target._gemma4opt
     print(f"# target: graphs compiled {st.graphs_compiled}, graph replays {st.graphed_calls}, captures "
           f"{st.graph_captures}; assistant: replays {assistant._gemma4opt.graphed_calls}, captures "

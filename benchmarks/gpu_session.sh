@@ -89,7 +89,7 @@ for s in "$@"; do
             --attention paged ;;
     features)
       MAX_JOBS=16 stage features-tests 300 $PYTEST -s tests/gpu/test_gpu_features.py
-      stage features-assisted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
+      stage features-assisted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b --profile \
             --json "$OUT/assisted.jsonl" ;;
     *) echo "unknown suite $s (tests, tests-paged, features, speed, speed-presets, speed-31b-full, kernels, attention, profile)" ;;
   esac
