@@ -1,8 +1,8 @@
 """Generate with an optimized Gemma-4 model next to HF eager; print ids, ms/token and the match report.
 
     python examples/generate.py                        # embedded 'demo' preset, CPU, < 1 minute
-    python examples/generate.py --preset 31b --layers 12 --device cuda --dtype bfloat16
-    python examples/generate.py --preset 31b --layers 12 --device cuda --attention paged   # fastest on CUDA
+    python examples/generate.py --preset 31b --layers 12 --device cuda   # the one-liner: paged mode on CUDA
+    python examples/generate.py --preset 31b --layers 12 --device cuda --attention hf      # HF attention + cache
     python examples/generate.py --model /path/to/gemma-4-checkpoint --device cuda
 """
 from __future__ import annotations
@@ -43,8 +43,10 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--attention", default="hf", choices=["hf", "paged"],
-                    help="paged: gemma4opt's paged KV cache (FlashInfer on CUDA: the [gpu] extra)")
+    ap.add_argument("--attention", default="auto", choices=["auto", "hf", "paged"],
+                    help="auto (default): gemma4opt.optimize(model) as is, the fastest mode that runs here; hf: "
+                         "HF attention over HF's cache; paged: the paged KV cache sized for this run (FlashInfer "
+                         "on CUDA: the [gpu] extra)")
     args = ap.parse_args(argv)
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")]
 
@@ -64,8 +66,10 @@ def main(argv=None):
     if eager is not model:
         del eager
 
-    config = None
-    if args.attention == "paged":     # a pool sized for exactly this run
+    config = None                     # the one-liner: every default
+    if args.attention == "hf":
+        config = gemma4opt.Gemma4OptConfig(attention="hf")
+    elif args.attention == "paged":   # a pool sized for exactly this run
         config = gemma4opt.Gemma4OptConfig(attention="paged", max_batch_size=args.batch,
                                            max_seq_len=args.prompt_len + args.new_tokens + 16)
     gemma4opt.optimize(model, config)

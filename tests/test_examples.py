@@ -17,6 +17,7 @@ def _load(name):
 @pytest.mark.parametrize("name,argv", [
     ("generate", ["--preset", "tiny", "--new-tokens", "4", "--prompt-len", "6"]),
     ("generate", ["--preset", "tiny", "--new-tokens", "4", "--prompt-len", "6", "--attention", "paged", "--batch", "2"]),
+    ("generate", ["--preset", "tiny", "--new-tokens", "4", "--prompt-len", "6", "--attention", "hf"]),
     ("batch_generate", ["--preset", "tiny", "--lengths", "3", "11", "--new-tokens", "4"]),
 ])
 def test_example_exits_zero(name, argv, capsys):
