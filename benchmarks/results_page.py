@@ -81,65 +81,62 @@ def generate_section(rows):
     return out
 
 
-def kernels_section(rows):
-    out = ["## kernels", "", "Each Triton kernel against the code it replaces (Inductor's for the unfused "
-           "subgraph, or cuBLAS for the decode GEMMs), both replayed back to back in CUDA graphs. µs per call; "
-           "speedup = baseline ÷ Triton; of copy BW: bytes read + written ÷ time ÷ copy bandwidth.", ""]
+def _table_section(title, intro, rows, header, align, row):
+    """A suite's section: per run its head, then one table row per result row (``row(r)``: the cells)."""
+    out = [f"## {title}", "", intro, ""]
     for rid, rs in _runs(rows):
         out += _head(rid, rs)
-        out += ["| preset | M | op | Triton µs | without PDL | baseline | baseline µs | speedup | of copy BW |",
-                "|---|---:|---|---:|---:|---|---:|---:|---:|"]
-        for r in rs:
-            out.append(f"| {r.get('preset', '')} | {r.get('M', '')} | {r['op']} | {r['triton_us']:.2f} | "
-                       f"{_f(r.get('triton_no_pdl_us'))} | {r.get('baseline', '')} | {_f(r.get('baseline_us'))} | "
-                       f"{_f(r.get('speedup'), '{:.2f}×')} | {_pct(r.get('frac_copy_bw'))} |")
+        out += ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+        out += ["| " + " | ".join(row(r)) + " |" for r in rs]
         out.append("")
     return out
+
+
+def kernels_section(rows):
+    return _table_section(
+        "kernels", "Each Triton kernel against the code it replaces (Inductor's for the unfused subgraph, or cuBLAS "
+        "for the decode GEMMs), both replayed back to back in CUDA graphs. µs per call; speedup = baseline ÷ "
+        "Triton; of copy BW: bytes read + written ÷ time ÷ copy bandwidth.", rows,
+        ["preset", "M", "op", "Triton µs", "without PDL", "baseline", "baseline µs", "speedup", "of copy BW"],
+        ["---", "---:", "---", "---:", "---:", "---", "---:", "---:", "---:"],
+        lambda r: [str(r.get("preset", "")), str(r.get("M", "")), r["op"], f"{r['triton_us']:.2f}",
+                   _f(r.get("triton_no_pdl_us")), str(r.get("baseline", "")), _f(r.get("baseline_us")),
+                   _f(r.get("speedup"), "{:.2f}×"), _pct(r.get("frac_copy_bw"))])
 
 
 def assisted_section(rows):
-    out = ["## assisted decoding", "", "HF `generate` with `assistant_model` (bench_assisted.py): the target alone and "
-           "the target with a small Gemma-4 drafting for it, both optimized, greedy, same prompt. ms/token: the whole "
-           "generate over the new tokens. Target calls: the target's forward calls for those tokens (random weights "
-           "reject most drafts: as many calls as tokens means none was accepted).", ""]
-    for rid, rs in _runs(rows):
-        out += _head(rid, rs)
-        out += ["| target | assistant | batch | prompt | new | system | ms/token | target calls | tokens == eager |",
-                "|---|---|---:|---:|---:|---|---:|---:|---|"]
-        for r in rs:
-            out.append(f"| {r['preset']} × {r['layers']} | {r['assistant'] or '—'} | {r['batch']} | {r['prompt']} | "
-                       f"{r['new']} | {r['system']} | {r['ms_per_token']:.2f} | {r['target_calls']} | "
-                       f"{'yes' if r['tokens_equal_eager'] else 'no'} |")
-        out.append("")
-    return out
+    return _table_section(
+        "assisted decoding", "HF `generate` with `assistant_model` (bench_assisted.py): the target alone and the "
+        "target with a small Gemma-4 drafting for it, both optimized, greedy, same prompt. ms/token: the whole "
+        "generate over the new tokens. Target calls: the target's forward calls for those tokens (random weights "
+        "reject most drafts: as many calls as tokens means none was accepted).", rows,
+        ["target", "assistant", "batch", "prompt", "new", "system", "ms/token", "target calls", "tokens == eager"],
+        ["---", "---", "---:", "---:", "---:", "---", "---:", "---:", "---"],
+        lambda r: [f"{r['preset']} × {r['layers']}", r["assistant"] or "—", str(r["batch"]), str(r["prompt"]),
+                   str(r["new"]), r["system"], f"{r['ms_per_token']:.2f}", str(r["target_calls"]),
+                   "yes" if r["tokens_equal_eager"] else "no"])
 
 
 def attention_section(rows):
-    out = ["## attention", "", "One decode query per sequence over the paged KV cache, the 31b's two attention "
-           "kinds (sliding: 32/16 heads, head_dim 256, window 1024; full: 32/4 heads, head_dim 512). µs per "
-           "layer (CUDA graph of 20 runs); of copy BW: KV bytes read ÷ time ÷ copy bandwidth.", ""]
-    for rid, rs in _runs(rows):
-        out += _head(rid, rs)
-        out += ["| kind | variant | batch | context | µs | KV MB | of copy BW |", "|---|---|---:|---:|---:|---:|---:|"]
-        for r in rs:
-            out.append(f"| {r['kind']} | {r['variant']} | {r['batch']} | {r['context']} | {r['us']:.1f} | "
-                       f"{r['kv_mb']:.1f} | {_pct(r['bw_frac'])} |")
-        out.append("")
-    return out
+    return _table_section(
+        "attention", "One decode query per sequence over the paged KV cache, the 31b's two attention kinds "
+        "(sliding: 32/16 heads, head_dim 256, window 1024; full: 32/4 heads, head_dim 512). µs per layer (CUDA "
+        "graph of 20 runs); of copy BW: KV bytes read ÷ time ÷ copy bandwidth.", rows,
+        ["kind", "variant", "batch", "context", "µs", "KV MB", "of copy BW"],
+        ["---", "---", "---:", "---:", "---:", "---:", "---:"],
+        lambda r: [r["kind"], r["variant"], str(r["batch"]), str(r["context"]), f"{r['us']:.1f}",
+                   f"{r['kv_mb']:.1f}", _pct(r["bw_frac"])])
 
 
 def sweeps_section(rows):
-    out = ["## sweeps", "", "Launch configurations of one kernel timed one by one; `default` is the launch the "
-           "code used when the sweep ran (the autotuned tile for the skinny GEMM).", ""]
-    for rid, rs in _runs(rows):
-        out += _head(rid, rs)
-        out += ["| preset | M | op | default µs | best | best µs | default ÷ best |", "|---|---:|---|---:|---|---:|---:|"]
-        for r in rs:
-            best = str(r["best"]).replace("|", "/")
-            out.append(f"| {r['preset']} | {r['M']} | {r['op']} | {r['default_us']:.2f} | `{best}` | "
-                       f"{r['best_us']:.2f} | {r['default_us'] / r['best_us']:.2f}× |")
-        out.append("")
-    return out
+    return _table_section(
+        "sweeps", "Launch configurations of one kernel timed one by one; `default` is the launch the code used when "
+        "the sweep ran (the autotuned tile for the skinny GEMM).", rows,
+        ["preset", "M", "op", "default µs", "best", "best µs", "default ÷ best"],
+        ["---", "---:", "---", "---:", "---", "---:", "---:"],
+        lambda r: [r["preset"], str(r["M"]), r["op"], f"{r['default_us']:.2f}",
+                   "`" + str(r["best"]).replace("|", "/") + "`", f"{r['best_us']:.2f}",
+                   f"{r['default_us'] / r['best_us']:.2f}×"])
 
 
 def profile_section():

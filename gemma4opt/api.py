@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import types
@@ -151,9 +152,12 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
     dtype = next(model.parameters()).dtype
     own_configs(model, edits)       # first: everything below writes to the model's own copies
     text_config = model.config.get_text_config()
-    cfg = user_config.resolve(device.type, dtype, text_config)
-    mode_reason = (choose_attention(device.type, dtype, text_config)[1] if user_config.attention == "auto"
-                   else f"attention={cfg.attention!r} (set in Gemma4OptConfig)")
+    if user_config.attention == "auto":
+        attention, mode_reason = choose_attention(device.type, dtype, text_config)
+        cfg = dataclasses.replace(user_config, attention=attention).resolve(device.type, dtype, text_config)
+    else:
+        cfg = user_config.resolve(device.type, dtype, text_config)
+        mode_reason = f"attention={cfg.attention!r} (set in Gemma4OptConfig)"
     if cfg.attention == "paged":
         check_paged_supported(device, dtype, text_config)
     scope = "causal_lm" if target is model else "text_model"

@@ -133,9 +133,11 @@ class Gemma4OptConfig:
                              f"max_batch_size={max_batch}")
         # An explicit max_batch_size is always a bucket; unset, graphs stop at DEFAULT_MAX_GRAPH_BATCH.
         top = max_batch if self.max_batch_size is not None else min(max_batch, DEFAULT_MAX_GRAPH_BATCH)
-        buckets = set(self.decode_buckets or (1, 2, 4, 8, *range(16, top + 1, 8)))
-        buckets = tuple(sorted({b for b in buckets if b < top} | {top} if not self.decode_buckets
-                               or self.max_batch_size is not None else buckets))
+        if self.decode_buckets and self.max_batch_size is None:
+            buckets = tuple(sorted(set(self.decode_buckets)))     # the caller's, as given
+        else:
+            given = self.decode_buckets or (1, 2, 4, 8, *range(16, top + 1, 8))
+            buckets = tuple(sorted({b for b in given if b < top} | {top}))
         fraction = self.kv_pool_fraction
         if fraction is None and self.max_batch_size is None and self.max_seq_len is None:
             fraction = DEFAULT_KV_POOL_FRACTION

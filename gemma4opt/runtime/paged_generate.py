@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import warnings
 
 import torch
 
-from gemma4opt.runtime.step_inputs import cache_of, step_input
+from gemma4opt.attention.cache import PagedCache
+from gemma4opt.runtime.step_inputs import cache_of, generation_config_of, step_input
 
 FLASHINFER_HEAD_DIMS = (64, 128, 256, 512)
 
@@ -39,7 +39,6 @@ def check_paged_supported(device, dtype, text_config) -> None:
 def install_paged(model, target, state, device, dtype, edits) -> None:
     """Paged attention for this instance: KV pool, attention function, and a generate that brings the cache."""
     from gemma4opt.attention import interface
-    from gemma4opt.attention.cache import PagedCache
     from gemma4opt.runtime.context import StepContext
 
     interface.register()
@@ -105,19 +104,6 @@ def _returned_cache(out):
     return got if got is not None else out.get("past_key_values") if hasattr(out, "get") else None
 
 
-def generation_config_of(model, kwargs):
-    """HF's generation config for this call (model defaults merged with the call's), or None when
-    HF refuses the arguments (generate itself then raises its own error)."""
-    rest = {k: v for k, v in kwargs.items() if k != "generation_config"}
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            gen, _ = model._prepare_generation_config(kwargs.get("generation_config"), **rest)
-    except Exception:      # noqa: BLE001
-        return None
-    return gen
-
-
 # Generation settings whose forward calls need HF's unfused forward (api._FALLBACK_KWARGS).
 _HF_OUTPUTS = ("output_attentions", "output_hidden_states", "output_router_logits")
 
@@ -169,8 +155,6 @@ def check_generate_limits(ctx, model, args, kwargs, cache, gen=None) -> None:
 
 
 def is_paged(cache) -> bool:
-    from gemma4opt.attention.cache import PagedCache
-
     return isinstance(cache, PagedCache)
 
 
@@ -191,8 +175,6 @@ def paged_attention_on(state):
 
 
 def begin_paged_step(ctx, args, kwargs, replace_mask: bool = True) -> None:
-    from gemma4opt.attention.cache import PagedCache
-
     cache = cache_of(kwargs)
     ctx.active = isinstance(cache, PagedCache)
     if not ctx.active:
@@ -218,8 +200,6 @@ def paged_decode_step(state, args, kwargs):
     rows of the dummy sequence, see StepContext._padded), the bucket's graph runs, and the logits
     of the B real rows are returned. A batch larger than every bucket runs uncaptured (counted).
     """
-    from gemma4opt.attention.cache import PagedCache
-
     ctx = state.context
     cache = cache_of(kwargs)
     if not isinstance(cache, PagedCache) or cache.rows is None or not ctx.buckets:

@@ -1,5 +1,7 @@
-"""Where a forward call's cache and batch input are, as HF generate and direct callers pass them."""
+"""Where a call's cache, batch input and generation config are, as HF generate and direct callers pass them."""
 from __future__ import annotations
+
+import warnings
 
 
 def cache_of(kwargs):
@@ -17,3 +19,16 @@ def one_token_step(args, kwargs) -> bool:
     """A decode step: one new token per sequence (prefill, chunks and drafts take the other path)."""
     ids = step_input(args, kwargs)
     return ids is not None and ids.dim() >= 2 and ids.shape[1] == 1
+
+
+def generation_config_of(model, kwargs):
+    """HF's generation config for this call (model defaults merged with the call's), or None when
+    HF refuses the arguments (generate itself then raises its own error)."""
+    rest = {k: v for k, v in kwargs.items() if k != "generation_config"}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gen, _ = model._prepare_generation_config(kwargs.get("generation_config"), **rest)
+    except Exception:      # noqa: BLE001
+        return None
+    return gen

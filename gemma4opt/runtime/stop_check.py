@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import functools
 import types
-import warnings
 
 import torch
+
+from gemma4opt.runtime.step_inputs import generation_config_of
 
 
 def _stop_check_class():
@@ -62,15 +63,11 @@ def _is_sample_mode(model, kwargs) -> bool:
     """HF's own answer: does this call decode greedily or by sampling (HF's ``_sample``)?"""
     from transformers.generation.configuration_utils import GenerationMode
 
-    rest = {k: v for k, v in kwargs.items() if k != "generation_config"}
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            gen, _ = model._prepare_generation_config(kwargs.get("generation_config"), **rest)
-        mode = gen.get_generation_mode(kwargs.get("assistant_model"))
-    except Exception:      # noqa: BLE001  (HF raises its own error for bad arguments in generate itself)
+    gen = generation_config_of(model, kwargs)
+    if gen is None:       # HF raises its own error for bad arguments in generate itself
         return False
-    return mode in (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH)
+    return gen.get_generation_mode(kwargs.get("assistant_model")) in (GenerationMode.SAMPLE,
+                                                                       GenerationMode.GREEDY_SEARCH)
 
 
 def install_deferred_stop_check(model, edits) -> str:
