@@ -14,6 +14,7 @@ machinery, not the gain a trained pair would see.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -47,25 +48,90 @@ def _assisted(model, assistant, ids, new):
     return out
 
 
+def _phases(target, assistant, ids, new, device):
+    """One assisted generate with the assistant's generate and the target's forward timed (each
+    synchronized): how many rounds, how long each side takes per round, how many tokens a draft has,
+    and whether Dynamo recompiled or graph captures happened inside the run."""
+    import torch._dynamo.utils as dyn
+
+    log = {"draft": [], "verify": []}
+
+    def timed(kind, fn):
+        @functools.wraps(fn)      # HF reads the forward's signature (logits_to_keep): keep it
+        def wrapper(*a, **k):
+            _sync(device)
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            _sync(device)
+            ms = (time.perf_counter() - t) * 1e3
+            n = k.get("input_ids", a[0] if a else None)
+            log[kind].append((ms, None if n is None else tuple(n.shape), out))
+            return out
+        return wrapper
+
+    saved = {"draft": assistant.__dict__.get("generate"), "verify": target.__dict__.get("forward")}
+    assistant.generate = timed("draft", saved["draft"] or assistant.generate)
+    target.forward = timed("verify", saved["verify"] or target.forward)
+    before = {k: dict(v) for k, v in dyn.counters.items()}
+    caps = (target._gemma4opt.graph_captures, assistant._gemma4opt.graph_captures)
+    try:
+        _sync(device)
+        t = time.perf_counter()
+        _assisted(target, assistant, ids, new)
+        _sync(device)
+        total = (time.perf_counter() - t) * 1e3
+    finally:
+        for kind, obj, name in (("draft", assistant, "generate"), ("verify", target, "forward")):
+            if saved[kind] is None:
+                del obj.__dict__[name]
+            else:
+                setattr(obj, name, saved[kind])
+    draft_ms = sum(m for m, _, _ in log["draft"])
+    verify_ms = sum(m for m, _, _ in log["verify"])
+    rounds = max(len(log["draft"]), 1)
+    drafted = [o.sequences.shape[-1] - s[-1] for _, s, o in log["draft"] if s is not None and hasattr(o, "sequences")]
+    print(f"# phases of one assisted generate: {total:.1f} ms in all; {len(log['draft'])} assistant generates "
+          f"({draft_ms:.1f} ms, {draft_ms / rounds:.2f} per round; drafted tokens per round: {drafted[:12]}...); "
+          f"{len(log['verify'])} target forwards ({verify_ms:.1f} ms; input lengths "
+          f"{[s[-1] for _, s, _ in log['verify'] if s][:12]}...; first calls ms "
+          f"{[round(m, 2) for m, _, _ in log['verify'][:8]]}); the rest (HF's loop, acceptance, crops): "
+          f"{total - draft_ms - verify_ms:.1f} ms", flush=True)
+    print(f"# assistant generate ms, first rounds: {[round(m, 2) for m, _, _ in log['draft'][:8]]}")
+    changed = {f"{k}.{n}": c - before.get(k, {}).get(n, 0) for k, v in dyn.counters.items() for n, c in v.items()
+               if c != before.get(k, {}).get(n, 0)}
+    print(f"# Dynamo counters that moved during the run: {changed or 'none'}; graph captures (target, assistant): "
+          f"{target._gemma4opt.graph_captures - caps[0]}, {assistant._gemma4opt.graph_captures - caps[1]}")
+
+
 def _profile(target, assistant, ids, new, device):
-    """One assisted generate under torch.profiler: the host ops and device kernels that take its
-    time, and how many launches, graph replays and host syncs it made (per target call)."""
+    """One assisted generate under cProfile (the host's Python, by cumulative time) and under
+    torch.profiler (launches, graph replays and host syncs per target call)."""
+    import cProfile
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
+    _phases(target, assistant, ids, new, device)
+    prof = cProfile.Profile()
+    prof.enable()
+    _assisted(target, assistant, ids, new)
+    _sync(device)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     calls = target._gemma4opt.compiled_calls
-    with profile(activities=acts) as prof:
+    with profile(activities=acts) as tprof:
         _assisted(target, assistant, ids, new)
         _sync(device)
     calls = target._gemma4opt.compiled_calls - calls
-    events = prof.key_averages()
+    events = tprof.key_averages()
     count = {k: sum(e.count for e in events if k in e.key) for k in
              ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "Synchronize", "plan")}
     print(f"# profile of one assisted generate: {calls} target calls; " + ", ".join(
         f"{k}: {v} ({v / max(calls, 1):.1f} per call)" for k, v in count.items()))
-    print(events.table(sort_by="self_cpu_time_total", row_limit=25))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=20))
     if device.startswith("cuda"):
-        print(events.table(sort_by="self_cuda_time_total", row_limit=15))
+        print(events.table(sort_by="self_cuda_time_total", row_limit=12))
 
 
 def main(argv=None):

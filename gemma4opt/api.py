@@ -310,15 +310,33 @@ def _make_forward(target, state: OptimizationState):
                 "fallback needs; pass a transformers cache (e.g. DynamicCache()) or none for such calls")
         with paged_attention_on(state):
             if state.scope == "causal_lm":   # else the outer forward began the step
-                if state.decode_forward is not None and one_token_step(args, kwargs):
+                if state.decode_forward is not None:
                     out = paged_decode_step(state, args, kwargs)
                     if out is not None:
                         return out
                 begin_paged_step(state.context, args, kwargs)
+            cut = _keep_all_for_shared_layers(state, args, kwargs)
             state.compiled_calls += 1
-            return state.compiled_forward(*args, **kwargs)
+            out = state.compiled_forward(*args, **kwargs)
+            if cut is not None:
+                out.logits = out.logits[:, -cut:]
+            return out
 
     return forward
+
+
+def _keep_all_for_shared_layers(state, args, kwargs) -> int | None:
+    """HF runs KV-shared layers on the last ``logits_to_keep`` tokens only; paged attention plans a
+    step for all its tokens or its last one. A keep between those (assisted decoding's first
+    verify, prompt and draft in one step) runs every token and the logits are cut after: returns
+    the count to cut to, or None."""
+    keep = kwargs.get("logits_to_keep")
+    x = step_input(args, kwargs)
+    if not getattr(state.text_config, "num_kv_shared_layers", 0) or not isinstance(keep, int) or x is None \
+            or x.dim() < 2 or not 1 < keep < x.shape[1]:
+        return None
+    kwargs["logits_to_keep"] = 0
+    return keep
 
 
 def _no_tokens(ids):

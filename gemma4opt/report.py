@@ -86,6 +86,7 @@ def build_report(model) -> Report:
     attention = "hf (HF attention over HF's cache)"
     ctx = state.context
     if ctx is not None:
+        ctx.free_collected()          # caches dropped since the last step: not held any more
         pools = ", ".join(f"{k.split('_')[0]}: {s.pool.num_pages} pages, {s.pages_held()} held"
                           for k, s in ctx.seqs.items())
         counts = state.pass_manager.op_counts

@@ -63,7 +63,7 @@ class PagedCache(Cache):
         self.context = context
         # The rows live in a holder the finalizer shares (it must not hold the cache itself).
         self._held = {"rows": None}
-        self._finalizer = weakref.finalize(self, _release_rows, context, self._held)
+        self._finalizer = weakref.finalize(self, _release_when_collected, context, self._held)
         self._finalizer.atexit = False
 
     @property
@@ -121,3 +121,11 @@ def _release_rows(context, held) -> None:
     rows, held["rows"] = held["rows"], None
     if rows is not None:
         context.release_rows(rows)
+
+
+def _release_when_collected(context, held) -> None:
+    # The garbage collector may run this in the middle of anything (another cache's page work, a
+    # Dynamo trace): only queue the rows; the context frees them before its next page work.
+    rows, held["rows"] = held["rows"], None
+    if rows is not None:
+        context.collected.append(rows)

@@ -168,10 +168,17 @@ class KindPlan:
         _PLANS.pop(self.key, None)
 
 
+def uses_triton(plan_key: int) -> bool:
+    """Whether this step runs the Triton kernel for this plan's kind (set by the step, host only)."""
+    plan = _PLANS.get(plan_key)
+    return plan is not None and plan.planned and plan.triton
+
+
 def run_planned(plan_key: int, q: torch.Tensor, kv: torch.Tensor, window: int, scale: float,
-                last_only: bool = False, pages: tuple | None = None) -> torch.Tensor:
+                last_only: bool = False, pages: tuple | None = None, tokens: int = 1) -> torch.Tensor:
     """This step's attention for ``q`` [rows, heads, D]; ``pages`` = (page table, seq_lens) on the
-    device, which the Triton decode kernel reads (StepContext.begin_step stages them)."""
+    device, which the Triton decode kernel reads (StepContext.begin_step stages them); ``tokens``:
+    query rows per sequence there (a graphed multi-token step, StepContext.begin_token_step)."""
     plan = _PLANS.get(plan_key)
     if plan is None or not plan.planned:
         raise RuntimeError(f"gemma4opt.paged_attention: no FlashInfer plan {plan_key} for this step (the paged "
@@ -187,7 +194,8 @@ def run_planned(plan_key: int, q: torch.Tensor, kv: torch.Tensor, window: int, s
     if plan.triton:
         from gemma4opt.kernels.paged_decode import paged_decode_triton
 
-        return paged_decode_triton(q, kv, *pages, window=max(window, 0), scale=scale, num_sms=plan.num_sms)
+        return paged_decode_triton(q, kv, *pages, window=max(window, 0), scale=scale, num_sms=plan.num_sms,
+                                   tokens=tokens)
     return plan.current.run(q, kv)
 
 

@@ -6,7 +6,8 @@ tokens, and pages that no query can see any more are returned to the pool every 
 metadata for a step (indptr, indices, last_page_len, slot mapping) comes out of a handful of
 numpy calls whatever the batch size: no Python loop over requests, nothing read from a GPU.
 Decode steps of the Triton kernel (``table_step``) need no page lists, only lengths and slots:
-their page work runs once per ``page_size`` steps (a page ahead; sliding frees up to that late).
+their page work runs once per ``page_size`` steps (a page ahead; sliding frees up to that late);
+so do its steps of a few tokens per sequence (``table_tokens``: one query row per token).
 """
 from __future__ import annotations
 
@@ -277,6 +278,26 @@ class PagedSequences:
             self.seq_len[rows] = lens[j]
             return lens[j], slots[j]
         return self._table_plan(rows)
+
+    def table_tokens(self, rows_in, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """A step of ``tokens`` new tokens per sequence for the Triton kernel run as one query row
+        per token (a draft to verify, a short continuation, in a CUDA graph): returns (lengths
+        [rows, tokens], what query t sees: the past and new tokens through t; slots [rows, tokens]).
+        Pages below the first new token's window are freed, pages for every new token taken."""
+        self._cached = self._fast = self._table_fast = None
+        rows = np.asarray(rows_in, dtype=np.int64)
+        ps = self.pool.page_size
+        old = self.seq_len[rows]
+        new_len = old + tokens
+        if (new_len > self.max_seq_len).any():
+            self._too_long(rows, new_len)
+        self._drop_out_of_window(rows, old)
+        self._grow_to(rows, -(-new_len // ps))
+        pos = old[:, None] + np.arange(tokens)[None, :]
+        slots = self.table[rows[:, None], (pos // ps) % self.ring].astype(np.int64) * ps + pos % ps
+        self.seq_len[rows] = new_len
+        self.active[rows] = True
+        return pos + 1, slots
 
     def _table_plan(self, rows_in) -> tuple[np.ndarray, np.ndarray]:
         self._cached = self._fast = None          # the page lists, if a later step wants them, are regathered

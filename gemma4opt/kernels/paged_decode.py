@@ -70,14 +70,14 @@ def _decode_split_kernel(Q, KV, TABLE, LENS, O, OP, LSE,
                          sq_b, sq_h, s_page, s_kv, s_tok, s_head, s_table, ring, so_b, so_h, sp_b, sp_h, sp_s,
                          sl_b, sl_h, window, scale,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, COMPILED: tl.constexpr,
+                         BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, TOKENS: tl.constexpr, COMPILED: tl.constexpr,
                          IEEE: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
     kv_len = tl.load(LENS + b)
-    row_base = b * s_table
+    row_base = (b // TOKENS) * s_table      # TOKENS query rows (a sequence's new tokens) share a table row
     lo = 0
     if window > 0:
         lo = tl.maximum(kv_len - window, 0)
@@ -160,10 +160,17 @@ def launch_config(head_dim: int, rows: int) -> dict:
 
 def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor,
                         window: int, scale: float, num_sms: int, splits: int | None = None,
-                        config: dict | None = None) -> torch.Tensor:
-    """q [B, H, D] -> out [B, H, D]; kv [pages, 2, page_size, kv_heads, D]; table [>= B, ring] and
-    seq_lens [B] int32 (row b of q is row b of the table)."""
+                        config: dict | None = None, tokens: int = 1) -> torch.Tensor:
+    """q [B, H, D] -> out [B, H, D]; kv [pages, 2, page_size, kv_heads, D]; table [>= B / tokens, ring]
+    and seq_lens [B] int32. Row b of q is the query of table row ``b // tokens`` that sees the first
+    ``seq_lens[b]`` tokens: ``tokens`` > 1 runs a step of that many new tokens per sequence (a draft
+    to verify) as rows of one token each, query t of a sequence seeing its past and new tokens <= t."""
     B, H, D = q.shape
+    if B % tokens:
+        raise ValueError(f"gemma4opt paged decode: {B} query rows are not a whole number of {tokens}-token steps")
+    if seq_lens.shape[0] != B:
+        raise ValueError(f"gemma4opt paged decode: {B} query rows and {seq_lens.shape[0]} lengths (a query per "
+                         "staged token: a step's queries must be all its tokens)")
     _, _, ps, kvh, dk = kv.shape
     why = supported(H, kvh, D)
     if why is not None or dk != D:
@@ -184,7 +191,7 @@ def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, 
         table.shape[1], out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1), window, scale,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, PS=ps, BLOCK_N=cfg["block_n"], NSPLIT=n,
-        COMPILED=_COMPILED, IEEE=q.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        TOKENS=tokens, COMPILED=_COMPILED, IEEE=q.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_flags(out))
     if n > 1:
         block_d = min(D, 64)

@@ -12,7 +12,8 @@ live pages are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
 CPU: the reference (gather + SDPA). CUDA: FlashInfer's paged kernels, planned once per
 step per attention kind on the host (attention/flashinfer.py); ``plan_key`` names that plan;
 decode steps use gemma4opt's Triton split-KV kernel (kernels/paged_decode.py), and then
-``kv_indices`` is the kind's device page table [max_batch, ring] and ``seq_lens`` the lengths;
+``kv_indices`` is the kind's device page table [max_batch, ring] and ``seq_lens`` the lengths
+(one per query row: graphed steps of several tokens per sequence run one row per token);
 kv_append is a Triton kernel (kernels/kv_append.py). Nothing here reads a device value on the host.
 """
 from __future__ import annotations
@@ -67,9 +68,15 @@ def paged_attention_flashinfer(q, kv, kv_indptr, kv_indices, kv_last_page_len, k
                                token_index, window, scale, plan_key):
     """The CUDA implementation (FlashInfer planned by the step, or at decode steps the Triton kernel on
     the page table; other metadata tensors unused here)."""
-    from gemma4opt.attention.flashinfer import run_planned
+    from gemma4opt.attention.flashinfer import run_planned, uses_triton
 
     B, Tq = q.shape[:2]
+    if Tq > 1 and uses_triton(plan_key):
+        # A graphed step of Tq new tokens per sequence (a draft to verify): one query row per
+        # token over the page table, no plan (StepContext.begin_token_step staged the lengths).
+        flat = run_planned(plan_key, q.reshape(B * Tq, *q.shape[2:]).contiguous(), kv, window, scale,
+                           pages=(kv_indices, seq_lens), tokens=Tq)
+        return flat.reshape(q.shape)
     if Tq == 1:
         # Decode, or a KV-shared layer at prefill (HF runs those on the last token only): one
         # query per sequence, always a real token. Shapes alone tell which plan (no device read).

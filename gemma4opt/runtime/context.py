@@ -118,16 +118,17 @@ class StepContext:
         # Row allocator: every live PagedCache holds rows of the page tables (all kinds share the
         # numbering) from its first step until it is released or garbage-collected.
         self.row_free = np.ones(self.max_batch, dtype=bool)
+        self.collected: list[np.ndarray] = []   # rows of caches garbage-collected, freed at the next page work
         self._owner = None          # weakref to the cache that took rows last (diagnostics)
         self.meta: dict[str, dict[str, torch.Tensor]] = {}
         self.token_index: torch.Tensor | None = None
         self.new_lens: torch.Tensor | None = None
         self._real_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-        # A decode graph's token index is 0..bucket-1: made once per bucket, at a fixed address the
-        # graphs bake (no per-step copy into the captured inputs).
-        self._arange_dev = {b: torch.arange(b, dtype=torch.int32, device=self.device) for b in self.buckets}
-        for t in self._arange_dev.values():
-            mark_fixed(t)
+        # A decode graph's token index is 0..tokens-1: made once per graph shape, at a fixed address
+        # the graphs bake (no per-step copy into the captured inputs).
+        self._arange_dev: dict[int, torch.Tensor] = {}
+        for b in self.buckets:
+            self._arange(b)
 
     def use_plans(self, plans) -> None:
         """Attention plans per kind (FlashInfer's; the CPU tests pass stand-ins). Kinds whose decode
@@ -154,6 +155,45 @@ class StepContext:
             if kind not in self.tables:
                 self.seqs[kind].track_updates = False
 
+    def _arange(self, n: int) -> torch.Tensor:
+        t = self._arange_dev.get(n)
+        if t is None:
+            t = self._arange_dev[n] = torch.arange(n, dtype=torch.int32, device=self.device)
+            mark_fixed(t)
+        return t
+
+    def token_bucket(self, cache, batch: int, tokens: int) -> tuple[int, int] | None:
+        """(rows, tokens) of the graph a step of ``tokens`` > 1 new tokens per sequence runs in:
+        powers of two from 2, as long as rows x tokens fits the largest decode bucket (its size
+        bounds what a capture holds); None when it does not fit, a kind is not on the Triton
+        kernel (FlashInfer's multi-token plans are made per step, outside graphs) or the cache
+        does not hold rows 0..batch-1 (the kernel reads table row b for sequence b)."""
+        rows = self.bucket(batch)
+        if rows is None or not self.plans or any(k not in self.tables for k in self.plans) \
+                or not _is_prefix(cache.rows):
+            return None
+        padded = 1 << (tokens - 1).bit_length()
+        if rows * padded > self.buckets[-1]:
+            return None
+        return rows, padded
+
+    def begin_token_step(self, cache, batch: int, tokens: int, pad_rows: int, pad_tokens: int) -> None:
+        """Host metadata for a graphed step of ``tokens`` new (real) tokens on each of the
+        cache's ``batch`` sequences, padded to ``pad_rows`` x ``pad_tokens`` (``token_bucket``):
+        one query row per token for the Triton kernel, which reads the page table; padding rows
+        and tokens are one-token rows of the dummy sequence. The cache must hold rows 0..batch-1."""
+        self.free_collected()
+        lens_slots = {}
+        for kind in KINDS:
+            lens, slots = self.seqs[kind].table_tokens(cache.rows, tokens)
+            if kind in self.tables:
+                grid_lens = np.ones((pad_rows, pad_tokens), dtype=lens.dtype)
+                grid_slots = np.full((pad_rows, pad_tokens), self.dummy_page[kind] * self.page_size, dtype=slots.dtype)
+                grid_lens[:batch, :tokens], grid_slots[:batch, :tokens] = lens, slots
+                lens_slots[kind] = grid_lens.reshape(-1), grid_slots.reshape(-1)
+        self.active = True
+        self._stage_step({}, lens_slots, None, None, pad_rows * pad_tokens)
+
     def bucket(self, batch: int) -> int | None:
         """The smallest decode-graph bucket that holds ``batch`` rows (None: larger than all)."""
         return next((b for b in self.buckets if b >= batch), None)
@@ -166,6 +206,7 @@ class StepContext:
         the page lists, kv_indices stays out of it; with the Triton kernel, the kind's device page
         table (fixed address) and the lengths.
         """
+        self.free_collected()
         first = cache.rows is None
         if first:
             cache.rows = self.acquire_rows(batch)
@@ -226,7 +267,7 @@ class StepContext:
         if updates is not None:                   # the device tables catch up with the host's writes
             self.table_dev.view(-1).index_put_((dev["upd_idx"],), dev["upd_ids"])
         self.meta = self._bound_meta(dev, tuple(host), tuple(lens_slots), graph)
-        self.token_index = dev["token_index"] if not graph else self._arange_dev[pad_to]
+        self.token_index = dev["token_index"] if not graph else self._arange(pad_to)
         self.new_lens = dev.get("new_lens", self.unused)
         for kind, plan in self.plans.items():     # once per step per kind, from host arrays
             if kind in lens_slots:
@@ -303,6 +344,7 @@ class StepContext:
 
     def acquire_rows(self, batch: int) -> np.ndarray:
         """``batch`` free rows of the page tables (the lowest ones: one cache at a time gets 0..B-1)."""
+        self.free_collected()
         if batch > self.max_batch:
             raise ValueError(f"gemma4opt: batch {batch} exceeds Gemma4OptConfig.max_batch_size={self.max_batch}; "
                              "raise max_batch_size or split the batch")
@@ -326,6 +368,13 @@ class StepContext:
             self.seqs[kind].release(rows)
         self.row_free[rows] = True
         self.active = False
+
+    def free_collected(self) -> None:
+        """Free the rows of caches the garbage collector took since the last call."""
+        active = self.active              # freeing rows says nothing about the step being begun
+        while self.collected:
+            self.release_rows(self.collected.pop())
+        self.active = active
 
     def release(self, cache) -> None:
         if cache.rows is not None:
@@ -353,7 +402,7 @@ class StepContext:
 
     def kv_bytes_held(self, rows=None) -> int:
         """KV bytes the live pages of the current sequences (or of ``rows``) occupy, over every owning layer."""
-        return sum(t[0].numel() * t.element_size() * self.seqs[self.layer_kind[layer]].pages_held(rows)
+        return sum(t.numel() // t.shape[0] * t.element_size() * self.seqs[self.layer_kind[layer]].pages_held(rows)
                    for layer, t in self.kv.items())
 
 

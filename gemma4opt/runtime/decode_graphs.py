@@ -25,7 +25,9 @@ from gemma4opt.progress import timed
 
 _cuda = torch.cuda      # one name for the CUDA calls below (the CPU tests stand them in)
 WARMUP_CALLS = 1
-MAX_GRAPHS = 16     # captures kept per graph (cache objects x shapes); the oldest is dropped past it
+# Captures kept per graph (cache objects x shapes: batch buckets, and for steps of several tokens
+# per sequence, token buckets too); the oldest is dropped past it.
+MAX_GRAPHS = 32
 
 
 # Tensors besides the model's parameters and buffers that keep their address for as long as they
@@ -200,9 +202,11 @@ class GraphedDecode:
 
 
 def _batch(args) -> int | str:
-    """The batch a decode graph is captured for (its token input's first dim), for progress notes."""
+    """The batch a decode graph is captured for (its token input's shape), for progress notes."""
     ids = next((a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.long and a.dim() == 2), None)
-    return ids.shape[0] if ids is not None else "?"
+    if ids is None:
+        return "?"
+    return ids.shape[0] if ids.shape[1] == 1 else f"{ids.shape[0]} x {ids.shape[1]} tokens"
 
 
 def graphed_decode(state, root: torch.nn.Module, gm, example_inputs) -> GraphedDecode:

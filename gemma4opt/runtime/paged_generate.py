@@ -194,11 +194,13 @@ _BATCH_INPUTS = ("input_ids", "position_ids", "inputs_embeds")
 
 
 def paged_decode_step(state, args, kwargs):
-    """A paged decode step as a CUDA-graph replay of its batch bucket, or None when it is not one.
+    """A paged step as a CUDA-graph replay, or None when it is not one.
 
-    The batch of B rows is padded to the smallest bucket >= B (input rows of zeros; page metadata
-    rows of the dummy sequence, see StepContext._padded), the bucket's graph runs, and the logits
-    of the B real rows are returned. A batch larger than every bucket runs uncaptured (counted).
+    Decode (one new token per sequence): the batch of B rows is padded to the smallest bucket >= B
+    (input rows of zeros; page metadata rows of the dummy sequence, see StepContext._padded), the
+    bucket's graph runs, and the logits of the B real rows are returned. A batch larger than every
+    bucket runs uncaptured (counted). A few new tokens per sequence on a cache already begun (a
+    draft to verify, an assistant's next round): see ``_token_step``.
     """
     ctx = state.context
     cache = cache_of(kwargs)
@@ -206,7 +208,12 @@ def paged_decode_step(state, args, kwargs):
         return None
     if args:                                   # generate passes keywords; a positional input_ids too
         kwargs = dict(kwargs, input_ids=args[0])
-    batch = step_input((), kwargs).shape[0]    # the caller checked: a one-token step
+    x = step_input((), kwargs)
+    if x is None or x.dim() < 2:
+        return None
+    batch, tokens = x.shape[:2]
+    if tokens > 1:
+        return _token_step(state, ctx, cache, kwargs, batch, tokens)
     bucket = ctx.bucket(batch)
     if bucket is None:
         state.fallbacks[f"paged decode batch > largest graph bucket {ctx.buckets[-1]} (run uncaptured)"] += 1
@@ -224,4 +231,38 @@ def paged_decode_step(state, args, kwargs):
     out = state.decode_forward(**kwargs)
     if bucket > batch:
         out.logits = out.logits[:batch]
+    return out
+
+
+def _token_step(state, ctx, cache, kwargs, batch: int, tokens: int):
+    """A step of ``tokens`` new tokens per sequence on a begun cache, as a graph replay padded to
+    (rows, tokens) buckets (StepContext.token_bucket): HF's assisted decoding verifies every draft
+    this way and the assistant starts each round this way. Padding tokens are one-token rows of
+    the dummy sequence; every token's logits are computed and the ones asked for returned. None
+    (the step runs uncaptured) for left padding among the new tokens, a logits_to_keep that is
+    not an int, or shapes past the buckets."""
+    keep = kwargs.get("logits_to_keep", 0)
+    mask = kwargs.get("attention_mask")
+    if not isinstance(keep, int) or (mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2)):
+        return None
+    shape = ctx.token_bucket(cache, batch, tokens)
+    if shape is None:
+        return None
+    if mask is not None and not bool(mask[:, -tokens:].all()):     # read on the host, as a prefill does
+        return None
+    rows, padded = shape
+    ctx.begin_token_step(cache, batch, tokens, rows, padded)
+    kwargs["attention_mask"] = _no_masks()
+    for name, t in list(kwargs.items()):
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[:2]) == (batch, tokens):
+            big = t.new_zeros((rows, padded, *t.shape[2:]))     # ids, positions, embeddings
+            big[:batch, :tokens] = t
+            kwargs[name] = big
+        elif name == "cache_position" and isinstance(t, torch.Tensor) and t.shape == (tokens,):
+            kwargs[name] = torch.cat([t, t[-1] + torch.arange(1, padded - tokens + 1, device=t.device, dtype=t.dtype)])
+    kwargs["logits_to_keep"] = 0               # padding tokens come last: keep all, cut below
+    state.compiled_calls += 1
+    out = state.decode_forward(**kwargs)
+    logits = out.logits[:batch, :tokens]
+    out.logits = logits[:, -keep:] if 0 < keep < tokens else logits
     return out

@@ -169,3 +169,48 @@ def test_a_multi_token_step_after_table_steps_lists_only_the_pages_in_use():
         assert np.array_equal(slots // ps, pages[i][pos // ps]) and np.array_equal(slots % ps, pos % ps)
     s.release(rows)
     assert s.pool.free_pages == s.pool.num_pages             # the page taken ahead is returned too
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_table_tokens_mixed_with_decode_steps_and_crops(window):
+    """Assisted decoding's pattern on the Triton path: verify steps of several tokens per row
+    (table_tokens), rejected tokens cropped, decode steps between. Against step(): the same
+    lengths, each slot the token's page in the table, every token any of the step's queries sees
+    in a distinct live page, the mirror equal to the table, and everything back at release."""
+    ps, rows = 4, np.arange(3)
+    a, b = (PagedSequences(PagePool(200, ps), max_batch=3, max_seq_len=120, window=window) for _ in range(2))
+    for s in (a, b):
+        s.margin[rows] = 8 if window else 0        # a recording cache: crops stay inside the kept pages
+    b.track_updates = True
+    mirror = b.table.copy()
+    prompt = np.array([3, 9, 14])
+    a.step(rows, prompt)
+    b.step(rows, prompt)
+    rng = np.random.default_rng(0)
+    for step in range(40):
+        if step % 3 == 0:
+            m = a.step(rows, np.ones(3, dtype=np.int64), decode=True)
+            lens, slots = b.table_step(rows)
+            lens, slots, T = lens[:, None], slots[:, None], 1
+        else:
+            T = int(rng.integers(2, 6))
+            m = a.step(rows, np.full(3, T))
+            lens, slots = b.table_tokens(rows, T)
+        assert np.array_equal(lens[:, -1], m.seq_lens), step
+        assert np.array_equal(lens, m.seq_lens[:, None] - T + 1 + np.arange(T)), step
+        assert np.array_equal(slots // ps, b.table[rows[:, None], ((lens - 1) // ps) % b.ring]), step
+        assert np.array_equal(slots % ps, (lens - 1) % ps), step
+        up = b.take_updates()
+        if up is not None:
+            mirror.reshape(-1)[up[0]] = up[1]
+        assert np.array_equal(mirror, b.table), step
+        lo = lens[:, 0] - (window or 10**6)
+        seen = [p for r in rows for p in {int(mirror[r, (t // ps) % b.ring]) for t in range(max(lo[r], 0), lens[r, -1])}]
+        free = set(b.pool._free[:b.pool.free_pages].tolist())
+        assert len(set(seen)) == len(seen) and not free & set(seen), step
+        if T > 1 and step % 2:                     # some of the draft rejected
+            n = int(rng.integers(1, T))
+            a.crop(rows, n)
+            b.crop(rows, n)
+    b.release(rows)
+    assert b.pool.free_pages == b.pool.num_pages

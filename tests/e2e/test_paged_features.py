@@ -35,6 +35,7 @@ def _pages_come_back():
     gc.collect()
     for _, model in _MODELS.values():
         ctx = model._gemma4opt.context
+        ctx.free_collected()
         assert ctx.row_free.all(), "rows still held after the test"
         assert all(s.pages_held() == 0 for s in ctx.seqs.values()), "pages still held after the test"
 
@@ -60,6 +61,7 @@ def _extend(mask, n):
 
 def _held(model):
     ctx = model._gemma4opt.context
+    ctx.free_collected()               # what the next step or report does first
     return sum(s.pages_held() for s in ctx.seqs.values()), int((~ctx.row_free).sum())
 
 
@@ -101,6 +103,26 @@ def test_returned_cache_continues_the_conversation(variant, length):
     del cache
     gc.collect()                        # dropped: pages and rows go back
     assert _held(model) == (0, 0)
+
+
+def test_a_cache_collected_mid_trace_is_freed_before_the_next_page_work():
+    """The garbage collector may drop a returned cache while anything runs, a Dynamo trace under
+    fake tensors included: its rows are only queued then, and freed before the next step."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ref, model = _pair("tiny")
+    ids, mask = _padded(2, 7, seed=1)
+    out = _gen(model, ids, attention_mask=mask, return_dict_in_generate=True)
+    cache = out.cache
+    del out
+    ctx = model._gemma4opt.context
+    with FakeTensorMode():
+        del cache
+        gc.collect()
+    assert ctx.collected and not ctx.row_free.all()       # queued, nothing touched yet
+    want = _gen(ref, ids, attention_mask=mask)
+    assert torch.equal(_gen(model, ids, attention_mask=mask), want)
+    assert not ctx.collected and ctx.row_free.all()
 
 
 @pytest.mark.parametrize("variant", ["tiny-ple-shared"])

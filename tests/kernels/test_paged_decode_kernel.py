@@ -77,3 +77,35 @@ def test_unsupported_geometry_is_named():
     with pytest.raises(ValueError, match="power of two"):
         paged_decode_triton(torch.zeros(1, 2, 8), torch.zeros(1, 2, 4, 1, 8), torch.zeros(1, 2, dtype=torch.int32),
                             torch.ones(1, dtype=torch.int32), 0, 1.0, 4)
+
+
+MULTI = [  # lens after the step, new tokens per sequence, page size, heads, kv heads, D, window, splits
+    ([9, 30], 3, 4, 4, 2, 16, 0, 2),          # ragged, no window
+    ([21, 7], 4, 4, 2, 1, 32, 6, 3),          # window smaller than the step's span; group 2
+    ([5], 5, 4, 8, 2, 16, 0, 1),              # the whole sequence is new
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", MULTI)
+def test_multi_token_rows_match_causal_reference(dtype, case):
+    # A step of T new tokens per sequence as T query rows per table row: query t sees the past
+    # and the new tokens up to t (and, for sliding layers, only the last ``window`` of those).
+    lens, T, ps, H, kvh, D, window, splits = case
+    g = torch.Generator().manual_seed(sum(lens) + T)
+    # Pages from where the step's first query's window starts: _batch keeps what the last one sees.
+    kv, table, (indptr, indices, last, start) = _batch(lens, ps, kvh, D, dtype, window and window + T - 1, g)
+    q = torch.randn(len(lens) * T, H, D, generator=g).to(dtype)
+    qo = torch.arange(0, len(lens) * T + 1, T, dtype=torch.int32)
+    want = paged_attention_reference(q.float(), kv.float(), indptr, indices, last, start, qo, torch.tensor(lens),
+                                     window or None, 0.5)
+    rows = torch.tensor([n - T + t + 1 for n in lens for t in range(T)], dtype=torch.int32)
+    got = paged_decode_triton(*(t.to(DEVICE) for t in (q, kv, table, rows)), window=window, scale=0.5, num_sms=4,
+                              splits=splits, tokens=T)
+    close(got.cpu(), want, dtype)
+
+
+def test_multi_token_rows_must_fill_whole_steps():
+    with pytest.raises(ValueError, match="whole number"):
+        paged_decode_triton(torch.zeros(3, 2, 16), torch.zeros(1, 2, 4, 1, 16), torch.zeros(2, 2, dtype=torch.int32),
+                            torch.ones(3, dtype=torch.int32), 0, 1.0, 4, tokens=2)

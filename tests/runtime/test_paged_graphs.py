@@ -170,4 +170,65 @@ def test_assisted_decoding_replays_the_assistants_decode_graphs(monkeypatch):
     st = assistant._gemma4opt
     assert st.graphed_calls > 0 and st.graph_captures > 0
     gc.collect()        # HF's candidate generator held the assistant's (returned) cache in a cycle
+    ctx.free_collected()
     assert all(s.pages_held() == 0 for s in ctx.seqs.values())
+
+
+@pytest.mark.parametrize("variant", ["tiny", "tiny-ple-shared"])
+def test_assisted_verify_steps_replay_token_graphs(monkeypatch, variant):
+    """The target of assisted decoding verifies each draft (draft + 1 tokens per sequence) as a
+    CUDA-graph replay padded to a token bucket (here 3 + 1 tokens -> bucket 4, and shorter drafts
+    near the end -> 2): tokens equal HF eager's assisted run, and after the first round of each
+    shape (warm-up, capture) every verify step replays."""
+    import copy
+
+    target, assistant = tiny(variant), tiny("tiny", seed=3)
+    ref, ref_assistant = copy.deepcopy(target), copy.deepcopy(assistant)
+    ctx = _optimize_with_stand_ins(monkeypatch, target, dataclasses.replace(PAGED, max_batch_size=8))
+    for m in (assistant, ref_assistant):
+        m.generation_config.num_assistant_tokens_schedule = "constant"
+        m.generation_config.num_assistant_tokens = 3
+        m.generation_config.assistant_confidence_threshold = 0.0
+    ids = prompt(1, WINDOW + 3)
+    want = _gen(ref, ids, new=14, assistant_model=ref_assistant)
+    with _cpu_runs_flashinfer_path():
+        got = _gen(target, ids, new=14, assistant_model=assistant)
+        again = _gen(target, ids, new=14, assistant_model=assistant)
+    assert torch.equal(got, want) and torch.equal(again, want)
+    st = target._gemma4opt
+    rep = gemma4opt.report(target, print_table=False)
+    assert not st.fallbacks, st.fallbacks
+    verify = st.compiled_calls - 2      # every call but the two prefills
+    assert st.graphed_calls >= verify - st.graph_warmups - st.graph_captures and st.graphed_calls > 0, str(rep)
+    assert all(p.triton_steps > 0 for p in ctx.plans.values())
+    gc.collect()
+    ctx.free_collected()
+    assert all(s.pages_held() == 0 for s in ctx.seqs.values())
+
+
+def test_continuing_a_returned_cache_with_a_few_tokens_replays_a_token_graph(monkeypatch):
+    """A returned PagedCache continued with a few new tokens (the last answer token and a short
+    reply): that step runs as a token-bucket graph, left padding among earlier tokens and all.
+    Tokens equal HF eager continuing its DynamicCache."""
+    model = tiny("tiny-ple-shared")
+    ids = prompt(2, 9)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    more = prompt(2, 2, seed=5)
+
+    def run(m):
+        with torch.no_grad():
+            out = m.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+            seq = torch.cat([out.sequences, more], 1)
+            cache = getattr(out, "cache", None) or out.past_key_values
+            return m.generate(seq, attention_mask=torch.cat([mask, torch.ones(2, 6, dtype=mask.dtype)], 1),
+                              past_key_values=cache, max_new_tokens=5, do_sample=False)
+
+    want = run(model)
+    _optimize_with_stand_ins(monkeypatch, model, dataclasses.replace(PAGED, max_batch_size=8))
+    with _cpu_runs_flashinfer_path():
+        for _ in range(3):                   # warm-up, capture, replay
+            assert torch.equal(run(model), want)
+    st = model._gemma4opt
+    assert not st.fallbacks, st.fallbacks
+    assert st.graphed_calls >= 3 * 2 * 4 - st.graph_warmups - st.graph_captures
