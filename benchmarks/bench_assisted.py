@@ -40,6 +40,21 @@ def _timed(device, fn):
     return out, (time.perf_counter() - t) * 1e3
 
 
+def _drafts_all_accepted(*models) -> None:
+    """Zero what every layer adds to the residual stream (attention and MLP output projections,
+    per-layer-input projections): each model's logits then come from the current token's
+    embedding alone, whose largest logit (random embeddings) is that token's own, so target and
+    assistant both repeat the last token and every draft is accepted. The weights are still
+    read: a step costs what it costs with real weights. What it measures is the machinery with a
+    perfect drafter, the bound of the speed-up at a given draft length."""
+    with torch.no_grad():
+        for m in models:
+            for name, mod in m.named_modules():
+                if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in (
+                        "o_proj", "down_proj", "per_layer_projection"):
+                    mod.weight.zero_()
+
+
 def _assisted(model, assistant, ids, new):
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False)
     with torch.no_grad():
@@ -146,6 +161,12 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default=None, help="append result rows to this JSON-lines file")
+    ap.add_argument("--draft", type=int, default=None,
+                    help="the assistant drafts this many tokens every round (HF's constant schedule, confidence "
+                         "threshold 0); default: HF's defaults (heuristic schedule from 20, stop below 0.4)")
+    ap.add_argument("--accept-all", action="store_true",
+                    help="zero every layer's output projections in both models so that the drafts are all "
+                         "accepted (both repeat the last token): the speed-up of a perfect drafter")
     ap.add_argument("--profile", action="store_true",
                     help="after timing, profile one assisted generate: where a round's time goes (host ops, "
                          "kernels, launches, syncs)")
@@ -156,6 +177,12 @@ def main(argv=None):
     vocab = target.config.get_text_config().vocab_size
     if assistant.config.get_text_config().vocab_size != vocab:
         raise SystemExit(f"--assistant {args.assistant} has another vocabulary than --preset {args.preset}")
+    if args.accept_all:
+        _drafts_all_accepted(target, assistant)
+    if args.draft is not None:
+        gen = assistant.generation_config
+        gen.num_assistant_tokens_schedule, gen.num_assistant_tokens = "constant", args.draft
+        gen.assistant_confidence_threshold = 0.0
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (args.batch, args.prompt), generator=g).to(args.device)
 
@@ -177,7 +204,7 @@ def main(argv=None):
                    command="python3 benchmarks/bench_assisted.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                    preset=args.preset, layers=target.config.get_text_config().num_hidden_layers,
                    assistant=args.assistant if helper is not None else None, batch=args.batch, prompt=args.prompt,
-                   new=args.new, system=name, ms_per_token=best / args.new, target_calls=calls,
+                   new=args.new, draft=args.draft, accept_all=args.accept_all, system=name, ms_per_token=best / args.new, target_calls=calls,
                    tokens_equal_eager=same)
         rows.append(row)
         print(f"{name:>20}: {row['ms_per_token']:.2f} ms/token (whole generate / new tokens), {calls} target "

@@ -20,7 +20,8 @@
 #   features   HF generate features on the one-liner, in CUDA graphs (tests/gpu/test_gpu_features.py:
 #              continuing a returned paged cache, assisted decoding with an optimized assistant and
 #              prompt lookup, tokens == eager; limit 300 s), then bench_assisted.py: e2b drafting for
-#              the 31b x 12 against the 31b alone (limit 300 s).
+#              the 31b x 12 against the 31b alone, HF's draft schedule (limit 420 s), and 7-token drafts
+#              all accepted (--accept-all, limit 300 s).
 #   speed      31b x 12 layers, batch 1 and 32: the one-liner (every default, first on a fresh machine
 #              so its warm-up includes FlashInfer's JIT), the paged mode sized for the run, HF static
 #              cache + torch.compile, HF eager (limit 560 s; the one-liner's first generate took 168 s
@@ -89,8 +90,10 @@ for s in "$@"; do
             --attention paged ;;
     features)
       MAX_JOBS=16 stage features-tests 300 $PYTEST -s tests/gpu/test_gpu_features.py
-      stage features-assisted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b --profile \
-            --json "$OUT/assisted.jsonl" ;;
+      stage features-assisted 420 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b --profile \
+            --json "$OUT/assisted.jsonl"
+      stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
+            --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
     *) echo "unknown suite $s (tests, tests-paged, features, speed, speed-presets, speed-31b-full, kernels, attention, profile)" ;;
   esac
 done

@@ -109,12 +109,23 @@ def assisted_section(rows):
         "assisted decoding", "HF `generate` with `assistant_model` (bench_assisted.py): the target alone and the "
         "target with a small Gemma-4 drafting for it, both optimized, greedy, same prompt. ms/token: the whole "
         "generate over the new tokens. Target calls: the target's forward calls for those tokens (random weights "
-        "reject most drafts: as many calls as tokens means none was accepted).", rows,
-        ["target", "assistant", "batch", "prompt", "new", "system", "ms/token", "target calls", "tokens == eager"],
-        ["---", "---", "---:", "---:", "---:", "---", "---:", "---:", "---"],
-        lambda r: [f"{r['preset']} × {r['layers']}", r["assistant"] or "—", str(r["batch"]), str(r["prompt"]),
-                   str(r["new"]), r["system"], f"{r['ms_per_token']:.2f}", str(r["target_calls"]),
+        "reject most drafts: as many calls as tokens means none was accepted). Drafts: HF's default schedule, or "
+        "a constant draft length; *all accepted*: both models' layer outputs zeroed so that both repeat the last "
+        "token (`--accept-all`: the weights are still read, a step costs what it does with real weights), the "
+        "speed-up of a perfect drafter.", rows,
+        ["target", "assistant", "drafts", "batch", "prompt", "new", "system", "ms/token", "target calls",
+         "tokens == eager"],
+        ["---", "---", "---", "---:", "---:", "---:", "---", "---:", "---:", "---"],
+        lambda r: [f"{r['preset']} × {r['layers']}", r["assistant"] or "—", _drafts(r), str(r["batch"]),
+                   str(r["prompt"]), str(r["new"]), r["system"], f"{r['ms_per_token']:.2f}", str(r["target_calls"]),
                    "yes" if r["tokens_equal_eager"] else "no"])
+
+
+def _drafts(r) -> str:
+    if not r["assistant"]:
+        return "—"
+    how = f"{r['draft']} tokens" if r.get("draft") else "HF schedule"
+    return how + (", all accepted" if r.get("accept_all") else "")
 
 
 def attention_section(rows):
