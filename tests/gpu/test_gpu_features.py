@@ -75,5 +75,10 @@ def test_assisted_decoding_with_an_optimized_assistant_replays_graphs_and_equals
     got = _greedy(model, ids, mask, 16, assistant_model=assistant)
     assert torch.equal(got, want)
     assert assistant._gemma4opt.graphed_calls > 0, "the assistant's drafting did not replay CUDA graphs"
+    # The target verifies each 4-token draft as a 5-token step: a token-bucket graph, captured
+    # in the first run, replayed in the second.
+    replays = model._gemma4opt.graphed_calls
+    assert torch.equal(_greedy(model, ids, mask, 16, assistant_model=assistant), want)
+    assert model._gemma4opt.graphed_calls - replays >= 3, "the target's draft verification did not replay graphs"
     lookup = _greedy(model, ids, mask, 16, prompt_lookup_num_tokens=3)
     assert torch.equal(lookup, _greedy(ref, ids, mask, 16, prompt_lookup_num_tokens=3))
