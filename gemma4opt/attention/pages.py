@@ -167,15 +167,9 @@ class PagedSequences:
             self._fast = (rows_in, self._fast_steps(rows, meta.seq_lens), meta)
             return meta
         new = np.asarray(new_tokens, dtype=np.int64)
-        ps = self.pool.page_size
         old_len = self.seq_len[rows]
         new_len = old_len + new
-        if (new_len > self.max_seq_len).any():
-            self._too_long(rows, new_len)
-        drop = self._drop_out_of_window(rows, old_len)
-        grow_ids = self._grow_to(rows, -(-new_len // ps))
-        self.seq_len[rows] = new_len
-        self.active[rows] = True
+        drop, grow_ids = self._append(rows, old_len, new_len)
         meta = self._meta(rows, old_len, new, new_len, drop, grow_ids)
         self._fast = self._table_fast = None
         if decode:
@@ -288,16 +282,21 @@ class PagedSequences:
         rows = np.asarray(rows_in, dtype=np.int64)
         ps = self.pool.page_size
         old = self.seq_len[rows]
-        new_len = old + tokens
-        if (new_len > self.max_seq_len).any():
-            self._too_long(rows, new_len)
-        self._drop_out_of_window(rows, old)
-        self._grow_to(rows, -(-new_len // ps))
+        self._append(rows, old, old + tokens)
         pos = old[:, None] + np.arange(tokens)[None, :]
         slots = self.table[rows[:, None], (pos // ps) % self.ring].astype(np.int64) * ps + pos % ps
+        return pos + 1, slots
+
+    def _append(self, rows, old_len, new_len):
+        """Lengths from ``old_len`` to ``new_len``: refused past max_seq_len, pages no query from
+        old_len on sees freed, pages through new_len taken; (pages dropped, pages grown)."""
+        if (new_len > self.max_seq_len).any():
+            self._too_long(rows, new_len)
+        drop = self._drop_out_of_window(rows, old_len)
+        grow_ids = self._grow_to(rows, -(-new_len // self.pool.page_size))
         self.seq_len[rows] = new_len
         self.active[rows] = True
-        return pos + 1, slots
+        return drop, grow_ids
 
     def _table_plan(self, rows_in) -> tuple[np.ndarray, np.ndarray]:
         self._cached = self._fast = None          # the page lists, if a later step wants them, are regathered

@@ -254,9 +254,10 @@ def _token_step(state, ctx, cache, kwargs, batch: int, tokens: int):
     ctx.begin_token_step(cache, batch, tokens, rows, padded)
     kwargs["attention_mask"] = _no_masks()
     for name, t in list(kwargs.items()):
-        if isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[:2]) == (batch, tokens):
-            big = t.new_zeros((rows, padded, *t.shape[2:]))     # ids, positions, embeddings
-            big[:batch, :tokens] = t
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == tokens and t.shape[0] in (batch, 1):
+            # ids, positions (per row, or one row for all), embeddings
+            big = t.new_zeros((rows if t.shape[0] == batch else 1, padded, *t.shape[2:]))
+            big[:t.shape[0], :tokens] = t
             kwargs[name] = big
         elif name == "cache_position" and isinstance(t, torch.Tensor) and t.shape == (tokens,):
             kwargs[name] = torch.cat([t, t[-1] + torch.arange(1, padded - tokens + 1, device=t.device, dtype=t.dtype)])
