@@ -9,7 +9,8 @@ the target's forward calls per generate (with an assistant, each verifies a draf
 per call - 1 is the mean number of draft tokens accepted), and whether the tokens equal HF eager's
 (assisted greedy must give exactly the plain greedy tokens). With random weights the assistant's
 drafts are mostly rejected, so the speed-up is a lower bound: the figures show the cost of the
-machinery, not the gain a trained pair would see.
+machinery, not the gain a trained pair would see; ``--accept-all`` gives the other bound, a
+perfect drafter.
 """
 from __future__ import annotations
 
@@ -204,7 +205,8 @@ def main(argv=None):
                    command="python3 benchmarks/bench_assisted.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                    preset=args.preset, layers=target.config.get_text_config().num_hidden_layers,
                    assistant=args.assistant if helper is not None else None, batch=args.batch, prompt=args.prompt,
-                   new=args.new, draft=args.draft, accept_all=args.accept_all, system=name, ms_per_token=best / args.new, target_calls=calls,
+                   new=args.new, draft=args.draft, accept_all=args.accept_all, system=name, ms_per_token=best / args.new,
+                   eager_ms_per_token=eager_ms / args.new, target_calls=calls,
                    tokens_equal_eager=same)
         rows.append(row)
         print(f"{name:>20}: {row['ms_per_token']:.2f} ms/token (whole generate / new tokens), {calls} target "

@@ -19,8 +19,9 @@ from gemma4opt.config import Gemma4OptConfig, choose_attention
 from gemma4opt.edits import InstanceEdits, own_configs
 from gemma4opt.patterns import build_patterns
 from gemma4opt.runtime.decode_graphs import mark_fixed
-from gemma4opt.runtime.paged_generate import (begin_paged_step, check_paged_supported, install_paged, is_paged,
-                                              paged_attention_on, paged_decode_step)
+from gemma4opt.runtime.paged_generate import (begin_paged_step, check_paged_supported, cut_logits, install_paged,
+                                              is_paged, keep_all_for_shared_layers, paged_attention_on,
+                                              paged_decode_step)
 from gemma4opt.runtime.static_cache import install_static_cache_reuse
 from gemma4opt.runtime.step_inputs import cache_of, one_token_step, step_input
 from gemma4opt.runtime.stop_check import install_deferred_stop_check
@@ -315,28 +316,12 @@ def _make_forward(target, state: OptimizationState):
                     if out is not None:
                         return out
                 begin_paged_step(state.context, args, kwargs)
-            cut = _keep_all_for_shared_layers(state, args, kwargs)
+            keep = keep_all_for_shared_layers(state, args, kwargs)
             state.compiled_calls += 1
             out = state.compiled_forward(*args, **kwargs)
-            if cut is not None:
-                out.logits = out.logits[:, -cut:]
-            return out
+            return out if keep is None else cut_logits(out, *step_input(args, kwargs).shape[:2], keep)
 
     return forward
-
-
-def _keep_all_for_shared_layers(state, args, kwargs) -> int | None:
-    """HF runs KV-shared layers on the last ``logits_to_keep`` tokens only; paged attention plans a
-    step for all its tokens or its last one. A keep between those (assisted decoding's first
-    verify, prompt and draft in one step) runs every token and the logits are cut after: returns
-    the count to cut to, or None."""
-    keep = kwargs.get("logits_to_keep")
-    x = step_input(args, kwargs)
-    if not getattr(state.text_config, "num_kv_shared_layers", 0) or not isinstance(keep, int) or x is None \
-            or x.dim() < 2 or not 1 < keep < x.shape[1]:
-        return None
-    kwargs["logits_to_keep"] = 0
-    return keep
 
 
 def _no_tokens(ids):

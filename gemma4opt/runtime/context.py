@@ -344,7 +344,6 @@ class StepContext:
 
     def acquire_rows(self, batch: int) -> np.ndarray:
         """``batch`` free rows of the page tables (the lowest ones: one cache at a time gets 0..B-1)."""
-        self.free_collected()
         if batch > self.max_batch:
             raise ValueError(f"gemma4opt: batch {batch} exceeds Gemma4OptConfig.max_batch_size={self.max_batch}; "
                              "raise max_batch_size or split the batch")

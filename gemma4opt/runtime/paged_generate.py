@@ -263,7 +263,26 @@ def _token_step(state, ctx, cache, kwargs, batch: int, tokens: int):
             kwargs[name] = torch.cat([t, t[-1] + torch.arange(1, padded - tokens + 1, device=t.device, dtype=t.dtype)])
     kwargs["logits_to_keep"] = 0               # padding tokens come last: keep all, cut below
     state.compiled_calls += 1
-    out = state.decode_forward(**kwargs)
+    return cut_logits(state.decode_forward(**kwargs), batch, tokens, keep)
+
+
+def keep_all_for_shared_layers(state, args, kwargs) -> int | None:
+    """HF runs KV-shared layers on the last ``logits_to_keep`` tokens only; paged attention plans a
+    step for all its tokens or its last one. A keep between those (assisted decoding's first
+    verify: prompt and draft in one step) runs every token: returns the keep asked for (for
+    ``cut_logits``), or None when nothing changed."""
+    keep = kwargs.get("logits_to_keep")
+    x = step_input(args, kwargs)
+    if not getattr(state.text_config, "num_kv_shared_layers", 0) or not isinstance(keep, int) or x is None \
+            or x.dim() < 2 or not 1 < keep < x.shape[1]:
+        return None
+    kwargs["logits_to_keep"] = 0
+    return keep
+
+
+def cut_logits(out, batch: int, tokens: int, keep: int):
+    """The logits of a step run on every token (and perhaps padded) cut to its ``batch`` rows,
+    ``tokens`` tokens and the last ``keep`` of those (0: all), as HF's logits_to_keep gives them."""
     logits = out.logits[:batch, :tokens]
     out.logits = logits[:, -keep:] if 0 < keep < tokens else logits
     return out
