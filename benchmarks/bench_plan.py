@@ -17,8 +17,8 @@ import time
 import numpy as np
 import torch
 
-from gemma4opt.attention.pages import PagedSequences, PagePool
-from gemma4opt.attention.staging import HostStaging
+from gemma4opt.paged.tables import PagedSequences, PagePool
+from gemma4opt.paged.staging import HostStaging
 from gemma4opt.runtime.context import DEVICE_FIELDS, FLASHINFER_FIELDS
 
 KINDS = (("sliding", 32, 16, 256), ("full", 32, 4, 512))   # name, q heads, kv heads, head_dim (31b)
@@ -27,7 +27,7 @@ KINDS = (("sliding", 32, 16, 256), ("full", 32, 4, 512))   # name, q heads, kv h
 def _plans(args, device):
     if device != "cuda":
         return None
-    from gemma4opt.attention.flashinfer import KindPlan, available, workspace_bytes
+    from gemma4opt.paged.backends.flashinfer import KindPlan, available, workspace_bytes
 
     if available() is not None:
         print(f"# FlashInfer: {available()} -> plan() not measured")

@@ -8,7 +8,7 @@ from gemma4opt.api import optimize
 from gemma4opt.config import Gemma4OptConfig
 from gemma4opt.explain import explain
 from gemma4opt.report import report
-from gemma4opt.runtime.warmup import warmup
+from gemma4opt.warmup import warmup
 
 __all__ = ["optimize", "report", "explain", "warmup", "Gemma4OptConfig"]
 __version__ = "0.1.0"

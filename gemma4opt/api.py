@@ -8,6 +8,7 @@ import itertools
 import types
 import warnings
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -17,14 +18,15 @@ from gemma4opt.compiler.pass_manager import PassManager, PatternStats
 from gemma4opt.compiler.pattern import PassContext
 from gemma4opt.config import Gemma4OptConfig, choose_attention
 from gemma4opt.edits import InstanceEdits, own_configs
+from gemma4opt.fixed_tensors import FixedTensors
+from gemma4opt.paged.forward import is_paged, paged_forward
+from gemma4opt.paged.install import check_paged_supported, install_paged
+from gemma4opt.paged.step import StepContext
 from gemma4opt.patterns import build_patterns
-from gemma4opt.runtime.decode_graphs import mark_fixed
-from gemma4opt.runtime.paged_generate import (begin_paged_step, check_paged_supported, cut_logits, install_paged,
-                                              is_paged, keep_all_for_shared_layers, paged_attention_on,
-                                              paged_decode_step)
+from gemma4opt.runtime import decode_graphs
 from gemma4opt.runtime.static_cache import install_static_cache_reuse
-from gemma4opt.runtime.step_inputs import cache_of, one_token_step, step_input
 from gemma4opt.runtime.stop_check import install_deferred_stop_check
+from gemma4opt.step_inputs import cache_of, one_token_step, step_input
 
 SUPPORTED_CLASSES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -43,34 +45,40 @@ _RECOMPILE_LIMIT = 32
 
 @dataclass
 class OptimizationState:
-    """Everything gemma4opt knows about one optimized model; lives at ``model._gemma4opt``."""
+    """Everything gemma4opt knows about one optimized model; lives at ``model._gemma4opt``. Every
+    mutable piece of an optimized model's state is here (or reached from here), so two models in
+    one process share none of it."""
 
-    config: Gemma4OptConfig
+    config: Gemma4OptConfig                      # resolved for the model's device and dtype
     model_class: str
-    scope: str
-    text_config: object
+    scope: str                                   # "causal_lm", or "text_model" (the text decoder of a VLM)
+    text_config: object                          # the model's own copy of its text config
+    user_config: Gemma4OptConfig | None = None   # as passed to optimize() (re-resolved after .to())
+    mode_reason: str = ""                        # which attention mode runs, and why (report)
+    disabled_reason: str | None = None           # set: the config was not recognized, HF's path runs
+    edits: InstanceEdits | None = None           # what optimize() changed on the instance, to take back
+    hf_attn: str | None = None                   # the model's own attention implementation (non-paged calls)
+    # Compilation: patterns' counts per pattern name, and the compiled entry points.
     stats: dict[str, PatternStats] = field(default_factory=dict)
+    pass_manager: PassManager | None = None
+    original_forward: Callable | None = None
+    compiled_forward: Callable | None = None     # any call: prefill, or decode on a dynamic cache
+    hf_forward: Callable | None = None           # paged mode: calls without a paged cache (HF attention)
+    decode_forward: Callable | None = None       # decode steps as CUDA graphs (static or paged cache)
+    # Runtime.
+    context: StepContext | None = None           # the paged KV pool and step (attention="paged")
+    fixed: FixedTensors = field(default_factory=FixedTensors)   # addresses decode graphs may bake
+    static_cache: tuple | None = None            # (key, cache) reused by generate (runtime/static_cache.py)
+    graph_pool: object = None                    # CUDA graph memory pool shared by this model's decode graphs
+    stop_check: str = "per step (HF)"            # how generate checks for the end (runtime/stop_check.py)
+    # Counters (report).
     graphs_compiled: int = 0
     compiled_calls: int = 0
-    fallbacks: collections.Counter = field(default_factory=collections.Counter)
-    disabled_reason: str | None = None
-    pass_manager: PassManager | None = None
-    original_forward: object = None
-    compiled_forward: object = None     # any call: prefill, or decode on a dynamic cache
-    decode_forward: object = None       # decode on an initialized static cache, as CUDA graphs
-    context: object = None              # runtime.StepContext when attention="paged"
     graphed_calls: int = 0
-    graph_warmups: int = 0              # decode calls run eagerly before a capture (runtime.decode_graphs)
+    graph_warmups: int = 0                       # decode calls run eagerly before a capture (runtime/decode_graphs.py)
     graph_captures: int = 0
-    static_cache: object = None         # (key, cache) reused by generate (runtime/static_cache.py)
-    graph_pool: object = None           # CUDA graph memory pool shared by this model's decode graphs
-    stop_check: str = "per step (HF)"   # how generate checks for the end (runtime/stop_check.py)
+    fallbacks: collections.Counter = field(default_factory=collections.Counter)
     graph_key_changes: collections.Counter = field(default_factory=collections.Counter)  # why steps missed graphs
-    user_config: Gemma4OptConfig | None = None   # as passed to optimize() (re-resolved after .to())
-    mode_reason: str = ""               # which attention mode runs, and why (report)
-    edits: InstanceEdits | None = None  # what optimize() changed on the instance, to take back
-    hf_attn: str | None = None          # the model's own attention implementation (non-paged calls)
-    hf_forward: object = None           # paged mode: calls without a paged cache (HF attention)
 
 
 def _check_model(model) -> torch.nn.Module:
@@ -198,8 +206,13 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
         state.hf_forward = torch.compile(_own_code_entry(target.forward),
                                          backend=make_backend(state, lower_prefill, paged=False), fullgraph=True)
     if cfg.cuda_graphs:
+        def graphs(gm, example_inputs):      # gemma4opt's decode graphs of the rewritten graph
+            return decode_graphs.graphed_decode(state, target, gm, example_inputs)
+
+        if cfg.inductor:
+            graphs = True                      # Inductor's cudagraph trees
         state.decode_forward = torch.compile(_own_code_entry(target.forward),
-                                             backend=make_backend(state, cfg.inductor, True, target), fullgraph=True)
+                                             backend=make_backend(state, cfg.inductor, graphs), fullgraph=True)
     if paged:
         install_paged(model, target, state, device, dtype, edits)   # allocates the pool: may fail
 
@@ -297,29 +310,25 @@ def _make_forward(target, state: OptimizationState):
         if ids is not None and ids.dim() >= 2 and ids.shape[1] == 0:
             _no_tokens(ids)
         reason = _fallback_reason(target, kwargs)
-        if state.context is None:
-            return _call(state, original, args, kwargs, reason)
-        if not is_paged(cache_of(kwargs)):
-            # No paged cache: HF's attention implementation with HF's masks, exactly as unoptimized.
-            if reason is not None:
-                return _call(state, original, args, kwargs, reason)
-            state.compiled_calls += 1
-            return state.hf_forward(*args, **kwargs)
-        if reason is not None:
+        paged = state.context is not None and is_paged(cache_of(kwargs))
+        if paged and reason is not None:
             raise NotImplementedError(
                 f"gemma4opt: {reason} on a call with a PagedCache: paged attention does not produce what HF's "
                 "fallback needs; pass a transformers cache (e.g. DynamicCache()) or none for such calls")
-        with paged_attention_on(state):
-            if state.scope == "causal_lm":   # else the outer forward began the step
-                if state.decode_forward is not None:
-                    out = paged_decode_step(state, args, kwargs)
-                    if out is not None:
-                        return out
-                begin_paged_step(state.context, args, kwargs)
-            keep = keep_all_for_shared_layers(state, args, kwargs)
-            state.compiled_calls += 1
-            out = state.compiled_forward(*args, **kwargs)
-            return out if keep is None else cut_logits(out, *step_input(args, kwargs).shape[:2], keep)
+        if reason is not None:
+            return _hf_fallback(state, original, reason, args, kwargs)
+        if paged:                   # (Gemma4ForConditionalGeneration's outer forward began the step)
+            return paged_forward(state, args, kwargs, begin=state.scope == "causal_lm")
+        state.compiled_calls += 1
+        if state.context is not None:
+            # Paged mode, no paged cache: HF's attention with HF's masks, exactly as unoptimized.
+            return state.hf_forward(*args, **kwargs)
+        if state.decode_forward is not None and one_token_step(args, kwargs) and _static_cache_ready(state, kwargs):
+            if state.config.inductor:
+                state.graphed_calls += 1      # cudagraph trees; runtime.decode_graphs counts its own replays
+            torch.compiler.cudagraph_mark_step_begin()   # last step's outputs were consumed by generate
+            return state.decode_forward(*args, **kwargs)
+        return state.compiled_forward(*args, **kwargs)
 
     return forward
 
@@ -329,23 +338,15 @@ def _no_tokens(ids):
                      "per sequence (a prompt, or a BOS token)")
 
 
-def _call(state, original, args, kwargs, reason):
-    """The HF mode's dispatch: HF's forward for unsupported features, else the compiled graph."""
-    if reason is not None:
-        if not state.fallbacks[reason]:
-            warnings.warn(f"gemma4opt: {reason}: this call runs HF's unfused forward", stacklevel=3)
-        state.fallbacks[reason] += 1
-        return original(*args, **kwargs)
-    state.compiled_calls += 1
-    if state.decode_forward is not None and one_token_step(args, kwargs) and _static_cache_ready(kwargs):
-        if state.config.inductor:
-            state.graphed_calls += 1      # cudagraph trees; runtime.decode_graphs counts its own replays
-        torch.compiler.cudagraph_mark_step_begin()   # last step's outputs were consumed by generate
-        return state.decode_forward(*args, **kwargs)
-    return state.compiled_forward(*args, **kwargs)
+def _hf_fallback(state, original, reason: str, args, kwargs):
+    """HF's own forward for a feature the graph does not cover (warned once per reason, counted)."""
+    if not state.fallbacks[reason]:
+        warnings.warn(f"gemma4opt: {reason}: this call runs HF's unfused forward", stacklevel=3)
+    state.fallbacks[reason] += 1
+    return original(*args, **kwargs)
 
 
-def _static_cache_ready(kwargs) -> bool:
+def _static_cache_ready(state, kwargs) -> bool:
     """True for a call on an HF static cache that prefill has already allocated.
 
     The cache allocates its tensors lazily inside the first (prefill) forward; when that runs
@@ -365,7 +366,7 @@ def _static_cache_ready(kwargs) -> bool:
             t = getattr(layer, attr, None)
             if isinstance(t, torch.Tensor):
                 torch._dynamo.mark_static_address(t)    # for Inductor's cudagraph trees
-                mark_fixed(t)                            # for gemma4opt's decode graphs
+                state.fixed.add(t)                       # for gemma4opt's decode graphs
     cache._gemma4opt_static = True
     return True
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from gemma4opt.paged.pool import CPU_KV_POOL_BYTES  # noqa: F401  (the CPU pool's cap, documented below)
 from gemma4opt.patterns import PATTERN_NAMES
 
 _CACHES = ("auto", "dynamic", "static")
@@ -13,7 +14,6 @@ _DECODE_KERNELS = ("triton", "flashinfer", "auto")
 DEFAULT_MAX_BATCH = 256          # page-table rows: sequences one generate call may hold
 DEFAULT_MAX_GRAPH_BATCH = 64     # the largest decode-graph bucket; larger batches decode uncaptured
 DEFAULT_KV_POOL_FRACTION = 0.5   # of the GPU memory free after the weights, for the KV pool
-CPU_KV_POOL_BYTES = 1 << 30      # the CPU pool's cap (the CPU paged path is a reference, not a server)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +25,7 @@ class Gemma4OptConfig:
         256, 512) are supported, else "hf"; on CPU "hf" (on CPU nothing is faster than eager, and
         "hf" keeps HF's numerics bit for bit). ``report()`` says which mode was chosen and why.
         "hf" keeps HF's attention over HF's cache. "paged" gives generate a paged KV cache
-        (gemma4opt.attention) whose attention reads page tables built on the host; sliding layers
+        (gemma4opt.paged) whose attention reads page tables built on the host; sliding layers
         free the pages their window left behind. CPU: reference attention. CUDA: FlashInfer
         (the ``[gpu]`` extra) and gemma4opt's Triton decode kernel; what they cannot run is
         refused when optimize() is called.
@@ -68,7 +68,7 @@ class Gemma4OptConfig:
         when on CUDA; off on CPU (no device to overlap with). See runtime/stop_check.py.
     fast_replan: with the paged cache on CUDA, decode graphs' per-step FlashInfer plans skip
         FlashInfer's Python ``plan()`` and call its C++ planner directly, after checking once per
-        wrapper that both leave the same data for the GPU (attention/flashinfer_replan.py; off for
+        wrapper that both leave the same data for the GPU (paged/backends/flashinfer_replan.py; off for
         that wrapper, and counted in the report, if not).
     decode_kernel: with the paged cache on CUDA, the attention kernel of decode steps. "triton":
         gemma4opt's split-KV kernel (kernels/paged_decode.py), which reads a device copy of the page
@@ -119,7 +119,7 @@ class Gemma4OptConfig:
             raise ValueError("Gemma4OptConfig: paged decode graphs are gemma4opt's own (runtime/decode_graphs.py); "
                              "use inductor=False with attention='paged' and cuda_graphs")
         if self.attention == "paged" and on_cuda:
-            from gemma4opt.attention.flashinfer import available
+            from gemma4opt.paged.backends.flashinfer import available
 
             reason = available()
             if reason is not None:
@@ -152,8 +152,8 @@ def choose_attention(device_type: str, dtype, text_config) -> tuple[str, str]:
     if device_type != "cuda":
         return "hf", (f"auto on {device_type}: HF attention (the paged mode's {device_type} path is a reference; "
                       "on a CPU the optimized model is not faster than eager)")
-    from gemma4opt.attention.flashinfer import available
-    from gemma4opt.runtime.paged_generate import paged_unsupported
+    from gemma4opt.paged.backends import paged_unsupported
+    from gemma4opt.paged.backends.flashinfer import available
 
     why = available()
     if why is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gemma4opt.api import get_state
+from gemma4opt.patterns.paged_qkv import ATTENTION_OPS
 
 
 @dataclass
@@ -90,24 +91,13 @@ def build_report(model) -> Report:
         pools = ", ".join(f"{k.split('_')[0]}: {s.pool.num_pages} pages, {s.pages_held()} held"
                           for k, s in ctx.seqs.items())
         counts = state.pass_manager.op_counts
-        calls = counts[-1]["gemma4opt.paged_attention"] if counts else 0
+        calls = sum(n for op, n in counts[-1].items() if op.split(".")[-1] in ATTENTION_OPS) if counts else 0
         held, seqs = ctx.last_kv_held
         last = (f"; the last generate held {format_bytes(held)} at its end "
                 f"({format_bytes(held / max(seqs, 1))} per sequence)") if seqs else ""
         attention = (f"paged (page size {ctx.page_size}; {pools}; {format_bytes(ctx.kv_bytes_held())} of KV "
-                     f"held{last}; last graph: {calls}/{state.text_config.num_hidden_layers} layers call "
-                     f"gemma4opt.paged_attention)")
-        triton = {k: p.triton_steps for k, p in ctx.plans.items() if p.triton_decode}
-        if triton:
-            attention += "; decode steps on the Triton kernel: " + ", ".join(
-                f"{k.split('_')[0]}: {n} steps" for k, n in triton.items())
-        off = {k: p.triton_unsupported for k, p in ctx.plans.items() if p.triton_unsupported}
-        if off:
-            attention += "; FlashInfer decode for " + ", ".join(f"{k.split('_')[0]} ({why})" for k, why in off.items())
-        replans = {k: p.replan.summary() for k, p in ctx.plans.items()
-                   if p.replan is not None and p.replan.fast_plans + p.replan.full_plans}
-        if replans:
-            attention += "; decode-graph plans: " + ", ".join(f"{k.split('_')[0]}: {v}" for k, v in replans.items())
+                     f"held{last}; last graph: {calls}/{state.text_config.num_hidden_layers} layers call a paged "
+                     f"attention op); backends: {ctx.describe_backends()}")
     device = _device_type(model)
     return Report(state.model_class, state.scope, state.disabled_reason, state.graphs_compiled,
                   state.compiled_calls, state.graphed_calls, dict(state.fallbacks), rows, attention,

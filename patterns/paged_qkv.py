@@ -7,14 +7,14 @@ and the paged attention function's way back)::
     k = gemma4opt.rms_norm_rope(xk, wk, cos, sin, eps)
     v = gemma4opt.rms_norm(xv, None, eps)                       # xv is xk with attention_k_eq_v
     gemma4opt.kv_append(kv, k.T(1,2).T(1,2), v.T(1,2).T(1,2), slot_mapping, token_index)
-    out = gemma4opt.paged_attention(q.T(1,2).T(1,2), kv, ...)
+    out = gemma4opt.paged_attention(q.T(1,2).T(1,2), kv, ...)     # or the step's other backend's op
 
 Fused (one kernel: four launches per layer become one)::
 
     q = gemma4opt.qkv_norm_rope_append(kv, xq, wq, xk, wk, xv, cos, sin, eps, slot_mapping, token_index)
     out = gemma4opt.paged_attention(q, kv, ...)
 
-Found from each kv_append; its paged_attention is the one in the same attention module. Every
+Found from each kv_append; its attention is the backend op (``ATTENTION_OPS``) in the same attention module. Every
 intermediate must feed only the next step, q and k must use the same cos/sin, and the three norms
 one eps; otherwise the layer stays unfused, with the reason in the report.
 """
@@ -27,6 +27,8 @@ from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
 from gemma4opt.compiler.regions import innermost, op_name, place
 
 _ROPE, _RMS = "rms_norm_rope.default", "rms_norm.default"
+# The paged backends' attention ops (gemma4opt/paged/backends/: reference, FlashInfer, Triton).
+ATTENTION_OPS = ("paged_attention", "paged_attention_flashinfer", "paged_decode")
 
 
 def _through_transposes(node):
@@ -74,9 +76,9 @@ def _match(append: fx.Node):
     if v is None or op_name(v) != _RMS or v.args[1] is not None:
         return None, v_chain if v is None else "V is not a weightless gemma4opt.rms_norm"
     where = innermost(append)
-    attn = [u for u in kv.users if op_name(u) == "paged_attention" and innermost(u) == where]
+    attn = [u for u in kv.users if op_name(u) in ATTENTION_OPS and innermost(u) == where]
     if len(attn) != 1:
-        return None, "no single paged_attention of the same module reads this pool"
+        return None, "no single paged attention op of the same module reads this pool"
     q, q_chain = _through_transposes(attn[0].args[0])
     if q is None or op_name(q) != _ROPE:
         return None, q_chain if q is None else "Q is not a gemma4opt.rms_norm_rope"

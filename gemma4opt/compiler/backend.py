@@ -9,36 +9,33 @@ from gemma4opt.compiler.pass_manager import PassManager
 from gemma4opt.progress import timed
 
 
-def make_backend(state, lower: bool, cuda_graphs: bool = False, root: torch.nn.Module | None = None,
-                 paged: bool = True):
+def make_backend(state, lower: bool, graphs=None, paged: bool = True):
     """A Dynamo backend bound to one optimized model's state (see gemma4opt.api).
 
     lower: hand the rewritten graph to Inductor; otherwise run it as captured (gemma4opt ops +
-    aten calls). cuda_graphs: replay it as CUDA graphs (decode on a static cache), lowered by
-    Inductor (cudagraph trees) or as captured (gemma4opt.runtime.decode_graphs, needs ``root``:
-    its parameters and buffers are the graph's fixed-address inputs). paged=False: graphs of calls
-    without a paged cache, which the paged-only patterns skip.
+    aten calls). graphs: replay it as CUDA graphs (decode steps): with ``lower``, Inductor's
+    cudagraph trees (pass True); otherwise ``graphs(gm, example_inputs)`` wraps the rewritten graph
+    (the caller's runtime/decode_graphs.py). paged=False: graphs of calls without a paged cache,
+    which the paged-only patterns skip.
     """
 
     def gemma4opt_backend(gm: fx.GraphModule, example_inputs):
         index = state.graphs_compiled
         state.graphs_compiled += 1
-        kind = "decode (CUDA graphs)" if cuda_graphs else ("paged" if paged and state.context is not None else "forward")
+        kind = "decode (CUDA graphs)" if graphs else ("paged" if paged and state.context is not None else "forward")
         with timed(f"rewriting captured graph {index} ({kind}, {len(gm.graph.nodes)} nodes)"):
             state.pass_manager.run(gm, index, paged=paged)
         if not lower:       # Inductor folds these itself
             hoist_tensor_literals(gm)
-        if cuda_graphs and not lower:
+        if graphs and not lower:
             # The rewritten graph as captured, replayed as CUDA graphs without Inductor's codegen:
             # the fused ops already cover the memory-bound work.
-            from gemma4opt.runtime.decode_graphs import graphed_decode
-
-            return graphed_decode(state, root, gm, example_inputs)
+            return graphs(gm, example_inputs)
         if not lower:
             return gm.forward
         from torch._inductor.compile_fx import compile_fx
 
-        patches = {"triton.cudagraphs": cuda_graphs}
+        patches = {"triton.cudagraphs": bool(graphs)}
         return compile_fx(gm, example_inputs, config_patches=patches)
 
     return gemma4opt_backend

@@ -13,7 +13,7 @@ its tiles; with more than one split a second kernel merges the partial outputs b
 The split count depends on shapes only (rows, kv heads, SMs), never on lengths: a graph captured
 for a bucket stays valid for every length distribution.
 
-Pages are read through the kind's page table (attention/pages.py keeps it on the host and
+Pages are read through the kind's page table (paged/tables.py keeps it on the host and
 StepContext mirrors its changes to the device): token t of row b sits in page
 ``table[b, (t // page_size) % ring]`` at offset ``t % page_size``. Row b holds ``seq_lens[b]``
 tokens; its query is the last one and sees tokens >= seq_len - window (HF's bound: the window

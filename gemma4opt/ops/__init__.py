@@ -2,11 +2,11 @@
 from gemma4opt.ops import (  # noqa: F401
     add_rms_norm,
     gelu_tanh_mul,
+    kv_append,
     linear,
     linear_softcap,
     moe_experts,
     moe_router,
-    paged_attention,
     qkv_norm_rope_append,
     rms_norm,
     rms_norm_rope,

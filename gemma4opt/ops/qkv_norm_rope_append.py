@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from gemma4opt.ops.paged_attention import kv_append_rows_reference
+from gemma4opt.ops.kv_append import kv_append_rows_reference
 from gemma4opt.ops.rms_norm import rms_norm_reference
 from gemma4opt.ops.rms_norm_rope import rms_norm_rope_reference
 

@@ -16,7 +16,6 @@ Inductor avoids both but compiles a real-size Gemma-4 for many minutes.
 from __future__ import annotations
 
 import warnings
-import weakref
 
 import torch
 import torch.fx as fx
@@ -30,17 +29,11 @@ WARMUP_CALLS = 1
 MAX_GRAPHS = 32
 
 
-# Tensors besides the model's parameters and buffers that keep their address for as long as they
-# live (HF's static cache once allocated, the paged KV pool): decode graphs may bake them.
-_FIXED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
-
-
-def mark_fixed(t: torch.Tensor) -> None:
-    _FIXED[id(t)] = t
-
-
-def _fixed_ptrs(root: torch.nn.Module) -> set[int]:
-    return {t.data_ptr() for t in (*root.parameters(), *root.buffers(), *_FIXED.values())}
+def _fixed_ptrs(root: torch.nn.Module, fixed) -> set[int]:
+    """Addresses decode graphs may bake: the model's parameters and buffers, and the tensors its
+    state lists as fixed (``gemma4opt.fixed_tensors.FixedTensors``: HF's static cache once
+    allocated, the paged KV pool and tables, the staged step metadata)."""
+    return {t.data_ptr() for t in (*root.parameters(), *root.buffers())} | fixed.ptrs()
 
 
 def _is_fixed(x, fixed_ptrs: set[int]) -> bool:
@@ -213,4 +206,4 @@ def graphed_decode(state, root: torch.nn.Module, gm, example_inputs) -> GraphedD
     """The backend's tail for a rewritten decode graph (one graph memory pool per model)."""
     if state.graph_pool is None:
         state.graph_pool = _cuda.graph_pool_handle()
-    return GraphedDecode(gm, example_inputs, state, _fixed_ptrs(root), state.graph_pool)
+    return GraphedDecode(gm, example_inputs, state, _fixed_ptrs(root, state.fixed), state.graph_pool)

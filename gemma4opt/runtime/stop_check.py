@@ -23,7 +23,7 @@ import types
 
 import torch
 
-from gemma4opt.runtime.step_inputs import generation_config_of
+from gemma4opt.step_inputs import generation_config_of
 
 
 def _stop_check_class():

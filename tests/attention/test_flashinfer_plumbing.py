@@ -2,7 +2,9 @@
 arrays, last-token plans for KV-shared layers, query gather/scatter, window/scale checks) runs
 HF generate against a stand-in for FlashInfer's paged prefill wrapper that computes with the
 reference attention over the plan it was given, in FlashInfer's relative positions. Tokens must
-equal HF eager's. The kernels themselves are checked on a GPU (tests/gpu/test_gpu_paged.py)."""
+equal HF eager's. The kernels themselves are checked on a GPU (tests/gpu/test_gpu_paged.py).
+The Triton decode backend's op runs its plain-torch reference on a CPU (the kernel is checked
+against it in tests/kernels/test_paged_decode_kernel.py)."""
 import sys
 import types
 
@@ -10,8 +12,7 @@ import pytest
 import torch
 
 import gemma4opt
-from gemma4opt.attention.reference import paged_attention_reference
-from gemma4opt.ops import paged_attention as P
+from gemma4opt.paged.backends.reference import paged_attention_reference
 from tests.e2e.test_paged_generate import PAGED, _gen
 from tests.models import VARIANTS, WINDOW, prompt, tiny
 
@@ -61,24 +62,25 @@ class _StandInWrapper:
                                          m["qo"], kv_len, window, m["scale"])
 
 
-_registered = []
+def use_cuda_backends(model, config=PAGED, flashinfer_kinds=()):
+    """The backends optimize() picks on CUDA, installed on a CPU model (FlashInfer stood in by the
+    caller); ``flashinfer_kinds`` decode on FlashInfer, as decode_kernel="auto" does for head_dim 512."""
+    from gemma4opt.paged.backends import choose, geometries
 
-
-def _cpu_runs_flashinfer_path():
-    if not _registered:
-        P.paged_attention.register_kernel("cpu")(P.paged_attention_flashinfer)
-        off = P.paged_attention.set_kernel_enabled("cpu", False)   # off outside these tests; kept
-        off.__enter__()                                             # referenced so it never exits
-        _registered.append(off)
-    return P.paged_attention.set_kernel_enabled("cpu", True)
+    ctx = model._gemma4opt.context
+    pages = ctx.seqs["full_attention"].pool.num_pages
+    backends = choose(geometries(model.config.get_text_config(), config.page_size, "cpu", torch.float32), True,
+                      config.decode_kernel, max_pages=pages + ctx.max_batch, max_batch=ctx.max_batch)
+    for kind in flashinfer_kinds:
+        backends[kind].decode = backends[kind].prefill
+    ctx.use_backends(backends)
+    return ctx
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_flashinfer_path_tokens_equal_eager(monkeypatch, variant):
     monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
         BatchPrefillWithPagedKVCacheWrapper=_StandInWrapper))
-    from gemma4opt.attention.flashinfer import build_plans
-
     model = tiny(variant)
     ids = prompt(2, WINDOW + 6)
     mask = torch.ones_like(ids)
@@ -86,17 +88,14 @@ def test_flashinfer_path_tokens_equal_eager(monkeypatch, variant):
     ids[1, :5] = 0
     want = _gen(model, ids, new=12, attention_mask=mask)
     gemma4opt.optimize(model, PAGED)
-    ctx = model._gemma4opt.context
-    ctx.use_plans(build_plans(model.config, PAGED.page_size, "cpu", torch.float32))   # (before the first call)
+    ctx = use_cuda_backends(model, PAGED, flashinfer_kinds=("sliding_attention", "full_attention"))
     _StandInWrapper.plans = 0
-    with _cpu_runs_flashinfer_path():
-        got = _gen(model, ids, new=12, attention_mask=mask)
+    got = _gen(model, ids, new=12, attention_mask=mask)
     assert torch.equal(got, want)
     shared = model.config.num_kv_shared_layers > 0
     # One plan per kind per step (+ the last-token plan of each kind at prefill with KV sharing).
     assert _StandInWrapper.plans == 2 * 12 + (2 if shared else 0)
-    for p in ctx.plans.values():
-        p.release()
+    assert all(kb.prefill.plans == 12 and kb.prefill.decode_plans == 11 for kb in ctx.backends.values())
 
 
 def test_a_wrappers_next_plan_waits_only_until_its_last_plan_was_copied(monkeypatch):
@@ -105,7 +104,7 @@ def test_a_wrappers_next_plan_waits_only_until_its_last_plan_was_copied(monkeypa
     must not wait when it has (no sync in steady decode)."""
     import numpy as np
 
-    from gemma4opt.attention import flashinfer as fi
+    from gemma4opt.paged.backends import flashinfer as fi
 
     monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
         BatchPrefillWithPagedKVCacheWrapper=_StandInWrapper))
@@ -123,7 +122,8 @@ def test_a_wrappers_next_plan_waits_only_until_its_last_plan_was_copied(monkeypa
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     workspace = types.SimpleNamespace(is_cuda=True, device=torch.device("cpu"))   # as on a GPU
-    plan = fi.KindPlan(workspace, 4, 2, 8, 4, None, torch.float32)
+    geometry = fi.KindGeometry("full_attention", 4, 2, 8, 4, None, torch.float32, torch.float32)
+    plan = fi.FlashInferBackend(geometry, workspace)
     kv = torch.zeros(3, dtype=torch.int32)
 
     def step():
@@ -136,11 +136,10 @@ def test_a_wrappers_next_plan_waits_only_until_its_last_plan_was_copied(monkeypa
     done["now"] = True
     step()
     assert waits == [1]            # it had: no wait
-    plan.release()
 
 
 def test_workspace_covers_flashinfers_split_kv_scratch_of_the_largest_bucket():
-    from gemma4opt.attention.flashinfer import WORKSPACE_BYTES, workspace_bytes
+    from gemma4opt.paged.backends.flashinfer import WORKSPACE_BYTES, workspace_bytes
 
     kinds = [(32, 16, 256), (32, 4, 512)]                  # the 31b's sliding and full layers
     assert workspace_bytes(kinds, 8, 132) == WORKSPACE_BYTES
@@ -154,23 +153,19 @@ def test_workspace_covers_flashinfers_split_kv_scratch_of_the_largest_bucket():
 @pytest.mark.parametrize("variant", ["tiny-ple-shared", "tiny-moe"])
 def test_triton_decode_without_graphs_plans_prefill_only(monkeypatch, variant):
     """decode_kernel="triton" (the default) off graphs: FlashInfer plans the prefill, decode steps
-    run the Triton kernel (interpreted here) on the mirrored page tables; tokens equal eager."""
+    run the Triton backend on the mirrored page tables; tokens equal eager."""
     monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
         BatchPrefillWithPagedKVCacheWrapper=_StandInWrapper))
-    from gemma4opt.attention.flashinfer import build_plans
-
     model = tiny(variant)
     ids = prompt(2, WINDOW + 6)
     want = _gen(model, ids, new=12)
     gemma4opt.optimize(model, PAGED)
-    ctx = model._gemma4opt.context
-    ctx.use_plans(build_plans(model.config, PAGED.page_size, "cpu", torch.float32, decode_kernel="triton"))
+    ctx = use_cuda_backends(model, PAGED)
     _StandInWrapper.plans = 0
-    with _cpu_runs_flashinfer_path():
-        got = _gen(model, ids, new=12)
+    got = _gen(model, ids, new=12)
     assert torch.equal(got, want)
     shared = model.config.num_kv_shared_layers > 0
     assert _StandInWrapper.plans == 2 + (2 if shared else 0)            # the prefill's, nothing per decode step
-    assert all(p.triton_steps == 11 for p in ctx.plans.values())
+    assert all(kb.decode.name == "triton" and kb.decode.steps == 11 for kb in ctx.backends.values())
     for kind, table in ctx.tables.items():                               # the mirror equals the host's table
         assert torch.equal(table, torch.from_numpy(ctx.seqs[kind].table))

@@ -10,7 +10,8 @@ import torch
 
 flashinfer = pytest.importorskip("flashinfer")
 
-from gemma4opt.attention.flashinfer import KindPlan  # noqa: E402
+from gemma4opt.paged.backends.base import KindGeometry  # noqa: E402
+from gemma4opt.paged.backends.flashinfer import FlashInferBackend  # noqa: E402
 
 
 class _Planner:
@@ -43,8 +44,9 @@ def cpu_flashinfer(monkeypatch):
 @pytest.mark.parametrize("window", [None, 24])
 def test_fast_replan_passes_what_flashinfer_plan_passes(cpu_flashinfer, window):
     ws = torch.zeros(8 << 20, dtype=torch.uint8)
-    fast = KindPlan(ws, 8, 2, 64, 16, window, torch.bfloat16, max_pages=64)
-    full = KindPlan(ws, 8, 2, 64, 16, window, torch.bfloat16, max_pages=64, fast_replan=False)
+    geometry = KindGeometry("sliding_attention", 8, 2, 64, 16, window, torch.bfloat16, torch.bfloat16)
+    fast = FlashInferBackend(geometry, ws, max_pages=64)
+    full = FlashInferBackend(geometry, ws, max_pages=64, fast_replan=False)
     rng = np.random.default_rng(0)
     lens = rng.integers(1, 200, size=3)
     for step in range(40):                          # lengths crossing pages; a bucket of 4 with a padding row

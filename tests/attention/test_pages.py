@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from gemma4opt.attention.pages import PagedSequences, PagePool, PoolExhausted
+from gemma4opt.paged.tables import PagedSequences, PagePool, PoolExhausted
 
 
 def _check(meta, seqs, rows, ps, window):

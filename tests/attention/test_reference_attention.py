@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gemma4opt.attention.pages import PagedSequences, PagePool
-from gemma4opt.attention.reference import kv_append_reference, paged_attention_reference
+from gemma4opt.paged.tables import PagedSequences, PagePool
+from gemma4opt.ops.kv_append import kv_append_reference
+from gemma4opt.paged.backends.reference import paged_attention_reference
 
 
 def _dense(q, k, v, q_pos, window):

@@ -6,7 +6,7 @@ import types
 
 import torch
 
-from gemma4opt.attention.flashinfer_replan import FastReplan
+from gemma4opt.paged.backends.flashinfer_replan import FastReplan
 
 
 def _wrapper(planner_info):

@@ -2,7 +2,7 @@
 import numpy as np
 import torch
 
-from gemma4opt.attention.staging import HostStaging
+from gemma4opt.paged.staging import HostStaging
 
 
 def test_views_hold_each_array_and_one_copy_per_step():

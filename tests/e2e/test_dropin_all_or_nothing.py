@@ -46,7 +46,7 @@ def test_failure_inside_optimize_leaves_the_model_as_it_was(monkeypatch, fail):
     if fail["patch"]:
         monkeypatch.setattr(api, fail["patch"], _boom)
     else:   # the CPU pool is not sized from free memory: stand in a device with 1 MiB free
-        import gemma4opt.runtime.context as context
+        import gemma4opt.paged.step as context
 
         monkeypatch.setattr(context, "free_device_memory", lambda device: 1 << 20)
     with pytest.raises((RuntimeError, ValueError), match="injected failure|kv_pool_fraction"):

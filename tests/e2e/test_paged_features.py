@@ -11,7 +11,7 @@ import torch
 
 import gemma4opt
 from gemma4opt import Gemma4OptConfig
-from gemma4opt.attention.cache import PagedCache
+from gemma4opt.paged.cache import PagedCache
 from tests.models import VARIANTS, WINDOW, prompt, tiny
 
 PAGED = Gemma4OptConfig(attention="paged", page_size=4, max_seq_len=96, max_batch_size=4)
@@ -150,7 +150,7 @@ def test_crop_then_continue_and_several_live_caches(variant):
 
 def test_crop_takes_the_count_as_a_tensor():
     """transformers' assisted decoding passes crop() a 0-d tensor (seen on the GPU machine's 5.17)."""
-    from gemma4opt.runtime.paged_generate import _returned_cache
+    from gemma4opt.paged.install import _returned_cache
 
     _, model = _pair("tiny")
     cache = _returned_cache(_gen(model, prompt(1, 6, seed=5), return_dict_in_generate=True))
@@ -162,7 +162,7 @@ def test_crop_takes_the_count_as_a_tensor():
 
 
 def test_crop_shrinks_paged_sequences():
-    from gemma4opt.attention.pages import PagedSequences, PagePool
+    from gemma4opt.paged.tables import PagedSequences, PagePool
 
     ps = 4
     for window in (None, WINDOW):
@@ -328,8 +328,8 @@ def test_recording_rows_keep_the_window_a_crop_needs():
     """A cache recording its past (HF's activate_past_recording: assisted drafts) keeps a margin of
     sliding pages past the window, so cropping a whole draft leaves every page the new end's window
     sees; without it the same crop is refused, never wrong."""
-    from gemma4opt.attention.pages import PagedSequences, PagePool
-    from gemma4opt.runtime.context import RECORD_MARGIN
+    from gemma4opt.paged.tables import PagedSequences, PagePool
+    from gemma4opt.paged.step import RECORD_MARGIN
 
     ps = 4
     for margin in (RECORD_MARGIN, 0):

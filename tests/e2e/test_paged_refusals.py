@@ -3,7 +3,7 @@ Only the device type is read, so this runs on a CPU."""
 import pytest
 import torch
 
-from gemma4opt.runtime.paged_generate import check_paged_supported
+from gemma4opt.paged.install import check_paged_supported
 from tests.models import tiny
 
 CUDA = torch.device("cuda")

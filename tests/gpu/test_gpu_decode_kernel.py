@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from gemma4opt.attention.pages import PagedSequences, PagePool
-from gemma4opt.attention.reference import kv_append_reference, paged_attention_reference
+from gemma4opt.paged.tables import PagedSequences, PagePool
+from gemma4opt.ops.kv_append import kv_append_reference
+from gemma4opt.paged.backends.reference import paged_attention_reference
 from gemma4opt.kernels.paged_decode import decode_splits, paged_decode_triton
 
 pytestmark = pytest.mark.gpu

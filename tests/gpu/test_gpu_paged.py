@@ -9,16 +9,24 @@ import pytest
 import torch
 
 import gemma4opt
-from gemma4opt.attention.pages import PagedSequences, PagePool
-from gemma4opt.attention.reference import kv_append_reference, paged_attention_reference
+from gemma4opt.paged.tables import PagedSequences, PagePool
+from gemma4opt.ops.kv_append import kv_append_reference
+from gemma4opt.paged.backends.reference import paged_attention_reference
 
 pytestmark = pytest.mark.gpu
+
+
+def _geometry(heads, kv_heads, head_dim, page_size, window, dtype):
+    from gemma4opt.paged.backends.base import KindGeometry
+
+    return KindGeometry("sliding_attention" if window else "full_attention", heads, kv_heads, head_dim, page_size,
+                        window, dtype, dtype, device="cuda")
 
 
 @pytest.mark.parametrize("head_dim,heads,kv_heads,window", [(256, 32, 16, 24), (512, 32, 4, None), (64, 4, 1, 7)])
 def test_flashinfer_matches_reference_prefill_left_padding_and_decode(head_dim, heads, kv_heads, window):
     pytest.importorskip("flashinfer")
-    from gemma4opt.attention.flashinfer import KindPlan, run_planned
+    from gemma4opt.paged.backends.flashinfer import FlashInferBackend
 
     torch.manual_seed(0)
     ps, dtype, dev = 16, torch.bfloat16, "cuda"
@@ -26,7 +34,7 @@ def test_flashinfer_matches_reference_prefill_left_padding_and_decode(head_dim, 
     seqs = PagedSequences(pool, max_batch=3, max_seq_len=512, window=window)
     kv = torch.zeros(256, 2, ps, kv_heads, head_dim, device=dev, dtype=dtype)
     ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
-    plan = KindPlan(ws, heads, kv_heads, head_dim, ps, window, dtype)
+    plan = FlashInferBackend(_geometry(heads, kv_heads, head_dim, ps, window, dtype), ws)
     rows = np.arange(3)
     for new in [[37, 5, 70]] + [[1, 1, 1]] * 40:
         meta = seqs.step(rows, np.array(new))
@@ -38,22 +46,21 @@ def test_flashinfer_matches_reference_prefill_left_padding_and_decode(head_dim, 
         t = {f: torch.from_numpy(np.ascontiguousarray(getattr(meta, f))).to(dev) for f in
              ("kv_indptr", "kv_indices", "kv_last_page_len", "kv_start", "qo_indptr", "seq_lens")}
         plan.plan(meta.qo_indptr, meta.kv_indptr, meta.kv_last_page_len, t["kv_indices"].int())
-        got = run_planned(plan.key, q, kv, window or -1, 1.0)
+        got = plan.run(q, kv)
         want = paged_attention_reference(q.float(), kv.float(), t["kv_indptr"], t["kv_indices"].long(),
                                          t["kv_last_page_len"], t["kv_start"], t["qo_indptr"], t["seq_lens"], window,
                                          1.0)
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
-    plan.release()
 
 
 @pytest.mark.parametrize("head_dim,heads,kv_heads,window", [(256, 32, 16, 24), (512, 32, 4, None)])
 def test_fast_replan_equals_flashinfer_plan_in_graph_mode(head_dim, heads, kv_heads, window):
-    """Decode-graph replans without FlashInfer's Python plan() (attention/flashinfer_replan.py):
+    """Decode-graph replans without FlashInfer's Python plan() (paged/backends/flashinfer_replan.py):
     over decode steps whose lengths cross pages and the window, a padded bucket, the same
     attention output bit for bit as FlashInfer's plan(), the self-check passed, and the fast path
     ran every step after the first."""
     pytest.importorskip("flashinfer")
-    from gemma4opt.attention.flashinfer import KindPlan, run_planned
+    from gemma4opt.paged.backends.flashinfer import FlashInferBackend
 
     torch.manual_seed(0)
     ps, dtype, dev, bucket = 16, torch.bfloat16, "cuda", 4
@@ -61,9 +68,9 @@ def test_fast_replan_equals_flashinfer_plan_in_graph_mode(head_dim, heads, kv_he
     seqs = PagedSequences(pool, max_batch=3, max_seq_len=512, window=window)
     kv = torch.randn(256, 2, ps, kv_heads, head_dim, device=dev, dtype=dtype)
     ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
-    fast = KindPlan(ws, heads, kv_heads, head_dim, ps, window, dtype, max_pages=260)
-    full = KindPlan(torch.empty_like(ws), heads, kv_heads, head_dim, ps, window, dtype, max_pages=260,
-                    fast_replan=False)
+    geometry = _geometry(heads, kv_heads, head_dim, ps, window, dtype)
+    fast = FlashInferBackend(geometry, ws, max_pages=260)
+    full = FlashInferBackend(geometry, torch.empty_like(ws), max_pages=260, fast_replan=False)
     rows = np.arange(3)
     seqs.step(rows, np.array([37, 5, 70]))
     for step in range(60):
@@ -76,13 +83,11 @@ def test_fast_replan_equals_flashinfer_plan_in_graph_mode(head_dim, heads, kv_he
         outs = []
         for p in (full, fast):
             p.plan(np.arange(bucket + 1), kv_indptr, last, indices, bucket=bucket)
-            outs.append(run_planned(p.key, q, kv, window or -1, 1.0))
+            outs.append(p.run(q, kv))
         assert torch.equal(outs[0], outs[1]), step
     r = fast.replan
     print(f"head_dim {head_dim}: {r.summary()}")
     assert not r.off and r.fast_plans == 59
-    fast.release()
-    full.release()
 
 
 def _gen(model, ids, mask, new):
@@ -139,7 +144,7 @@ def test_paged_generate_equals_eager_below_at_past_window(preset, layers):
 
 def test_decode_steps_do_not_sync():
     pytest.importorskip("flashinfer")
-    from gemma4opt.attention.cache import PagedCache
+    from gemma4opt.paged.cache import PagedCache
     from gemma4opt.presets import build_model
 
     model = build_model("demo", dtype=torch.bfloat16, device="cuda")    # FlashInfer: 16-bit, head_dim >= 64

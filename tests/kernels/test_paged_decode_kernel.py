@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from gemma4opt.attention.reference import paged_attention_reference
+from gemma4opt.paged.backends.reference import paged_attention_reference
 from gemma4opt.kernels.paged_decode import decode_splits, paged_decode_triton, supported
 from tests.kernels.conftest import DEVICE, DTYPES, close
 

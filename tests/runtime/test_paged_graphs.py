@@ -12,7 +12,7 @@ import torch
 import gemma4opt
 from gemma4opt import Gemma4OptConfig
 from gemma4opt.runtime import decode_graphs
-from tests.attention.test_flashinfer_plumbing import _cpu_runs_flashinfer_path, _StandInWrapper
+from tests.attention.test_flashinfer_plumbing import _StandInWrapper, use_cuda_backends
 from tests.e2e.test_paged_generate import _gen
 from tests.models import WINDOW, prompt, tiny
 from tests.runtime.test_decode_graphs import _cpu_capture, _patch, _RecordingCapture
@@ -31,15 +31,7 @@ def _optimize_with_stand_ins(monkeypatch, model, config=PAGED, flashinfer_kinds=
     monkeypatch.setattr(Gemma4OptConfig, "resolve", lambda self, device, *a: dataclasses.replace(
         resolve(self, device, *a), cuda_graphs=True))
     gemma4opt.optimize(model, config)
-    from gemma4opt.attention.flashinfer import build_plans
-
-    ctx = model._gemma4opt.context
-    pages = ctx.seqs["full_attention"].pool.num_pages
-    plans = build_plans(model.config, config.page_size, "cpu", torch.float32, max_pages=pages + ctx.max_batch,
-                        decode_kernel=config.decode_kernel)
-    for kind in flashinfer_kinds:       # as decode_kernel="auto" does for the real models' head_dim 512
-        plans[kind].triton_decode = False
-    ctx.use_plans(plans)
+    ctx = use_cuda_backends(model, config, flashinfer_kinds)
     return ctx
 
 
@@ -55,9 +47,8 @@ def test_batches_between_buckets_replay_padded_graphs(monkeypatch):
         cases.append((ids, mask, _gen(model, ids, new=10, attention_mask=mask)))
     ctx = _optimize_with_stand_ins(monkeypatch, model)
     assert ctx.buckets == (1, 2, 4) and set(ctx.dummy_page) == {"sliding_attention", "full_attention"}
-    with _cpu_runs_flashinfer_path():
-        for ids, mask, want in cases * 2:      # twice: the second round replays only
-            assert torch.equal(_gen(model, ids, new=10, attention_mask=mask), want)
+    for ids, mask, want in cases * 2:      # twice: the second round replays only
+        assert torch.equal(_gen(model, ids, new=10, attention_mask=mask), want)
     st = model._gemma4opt
     rep = gemma4opt.report(model, print_table=False)
     assert not st.fallbacks, st.fallbacks
@@ -65,9 +56,9 @@ def test_batches_between_buckets_replay_padded_graphs(monkeypatch):
     decode_steps = 2 * 4 * 9
     assert st.graphed_calls >= decode_steps - st.graph_warmups - st.graph_captures, str(rep)
     assert all(s.pages_held() == 0 for s in ctx.seqs.values())
-    # Every decode step ran the Triton kernel on the page lists (interpreted here), none planned.
-    assert all(p.triton_steps >= decode_steps for p in ctx.plans.values())
-    assert "decode steps on the Triton kernel" in rep.attention
+    # Every decode step ran the Triton backend on the page tables, none planned.
+    assert all(kb.decode.name == "triton" and kb.decode.steps >= decode_steps for kb in ctx.backends.values())
+    assert "decode triton (steps" in rep.attention
 
 
 @pytest.mark.parametrize("kernel", ["triton", "flashinfer", "mixed"])
@@ -83,12 +74,11 @@ def test_full_pool_still_pads_and_bigger_batches_run_uncaptured(monkeypatch, ker
     ctx = _optimize_with_stand_ins(monkeypatch, model, config,
                                    flashinfer_kinds=("full_attention",) if kernel == "mixed" else ())
     assert ctx.buckets == (2, 4)
-    with _cpu_runs_flashinfer_path():
-        assert torch.equal(_gen(model, ids, new=8), want)          # bucket 4: one padding row
-        assert torch.equal(_gen(model, ids[:1], new=8), want1)     # bucket 2: one padding row
+    assert torch.equal(_gen(model, ids, new=8), want)          # bucket 4: one padding row
+    assert torch.equal(_gen(model, ids[:1], new=8), want1)     # bucket 2: one padding row
     assert model._gemma4opt.graphed_calls > 0 and not model._gemma4opt.fallbacks
-    triton = {k for k, p in ctx.plans.items() if p.triton_steps > 0}
-    assert triton == {"triton": set(ctx.plans), "flashinfer": set(), "mixed": {"sliding_attention"}}[kernel]
+    triton = {k for k, kb in ctx.backends.items() if kb.decode.name == "triton" and kb.decode.steps > 0}
+    assert triton == {"triton": set(ctx.backends), "flashinfer": set(), "mixed": {"sliding_attention"}}[kernel]
 
 
 def test_warmup_captures_every_bucket_then_generate_only_replays(monkeypatch, capsys):
@@ -96,15 +86,14 @@ def test_warmup_captures_every_bucket_then_generate_only_replays(monkeypatch, ca
     ids = prompt(3, 12)
     wants = [(ids[:b], _gen(model, ids[:b], new=8)) for b in (1, 2, 3)]
     ctx = _optimize_with_stand_ins(monkeypatch, model)
-    with _cpu_runs_flashinfer_path():
-        took = gemma4opt.warmup(model)
-        assert sorted(took) == [1, 2, 4]
-        assert "gemma4opt warm-up [######]" in capsys.readouterr().err
-        st = model._gemma4opt
-        captures, warmups, replays = st.graph_captures, st.graph_warmups, st.graphed_calls
-        assert captures >= len(ctx.buckets)
-        for batch_ids, want in wants:                                     # buckets 1, 2 and 4
-            assert torch.equal(_gen(model, batch_ids, new=8), want)
+    took = gemma4opt.warmup(model)
+    assert sorted(took) == [1, 2, 4]
+    assert "gemma4opt warm-up [######]" in capsys.readouterr().err
+    st = model._gemma4opt
+    captures, warmups, replays = st.graph_captures, st.graph_warmups, st.graphed_calls
+    assert captures >= len(ctx.buckets)
+    for batch_ids, want in wants:                                     # buckets 1, 2 and 4
+        assert torch.equal(_gen(model, batch_ids, new=8), want)
     assert (st.graph_captures, st.graph_warmups) == (captures, warmups), "generate captured after warm-up"
     assert st.graphed_calls == replays + 3 * 7
 
@@ -130,8 +119,7 @@ def test_staged_metadata_is_read_in_place_not_copied_per_replay(monkeypatch, ker
     config = dataclasses.replace(PAGED, decode_kernel="triton" if kernel == "mixed" else kernel)
     ctx = _optimize_with_stand_ins(monkeypatch, model, config,
                                    flashinfer_kinds=("full_attention",) if kernel == "mixed" else ())
-    with _cpu_runs_flashinfer_path():
-        assert torch.equal(_gen(model, ids, new=8), want)       # page size 4: pages come every 4 steps
+    assert torch.equal(_gen(model, ids, new=8), want)       # page size 4: pages come every 4 steps
     st = model._gemma4opt
     assert st.graphed_calls > 0 and not st.fallbacks
     moved = [k for k in st.graph_key_changes if k.startswith("address")]
@@ -164,8 +152,7 @@ def test_assisted_decoding_replays_the_assistants_decode_graphs(monkeypatch):
         m.generation_config.assistant_confidence_threshold = 0.0     # else a low-confidence draft stops early
     ids = prompt(1, WINDOW + 3)
     want = _gen(ref, ids, new=12, assistant_model=ref_assistant)
-    with _cpu_runs_flashinfer_path():
-        got = _gen(target, ids, new=12, assistant_model=assistant)
+    got = _gen(target, ids, new=12, assistant_model=assistant)
     assert torch.equal(got, want)
     st = assistant._gemma4opt
     assert st.graphed_calls > 0 and st.graph_captures > 0
@@ -191,16 +178,15 @@ def test_assisted_verify_steps_replay_token_graphs(monkeypatch, variant):
         m.generation_config.assistant_confidence_threshold = 0.0
     ids = prompt(1, WINDOW + 3)
     want = _gen(ref, ids, new=14, assistant_model=ref_assistant)
-    with _cpu_runs_flashinfer_path():
-        got = _gen(target, ids, new=14, assistant_model=assistant)
-        again = _gen(target, ids, new=14, assistant_model=assistant)
+    got = _gen(target, ids, new=14, assistant_model=assistant)
+    again = _gen(target, ids, new=14, assistant_model=assistant)
     assert torch.equal(got, want) and torch.equal(again, want)
     st = target._gemma4opt
     rep = gemma4opt.report(target, print_table=False)
     assert not st.fallbacks, st.fallbacks
     verify = st.compiled_calls - 2      # every call but the two prefills
     assert st.graphed_calls >= verify - st.graph_warmups - st.graph_captures and st.graphed_calls > 0, str(rep)
-    assert all(p.triton_steps > 0 for p in ctx.plans.values())
+    assert all(kb.decode.name == "triton" and kb.decode.steps > 0 for kb in ctx.backends.values())
     gc.collect()
     ctx.free_collected()
     assert all(s.pages_held() == 0 for s in ctx.seqs.values())
@@ -226,9 +212,8 @@ def test_continuing_a_returned_cache_with_a_few_tokens_replays_a_token_graph(mon
 
     want = run(model)
     _optimize_with_stand_ins(monkeypatch, model, dataclasses.replace(PAGED, max_batch_size=8))
-    with _cpu_runs_flashinfer_path():
-        for _ in range(3):                   # warm-up, capture, replay
-            assert torch.equal(run(model), want)
+    for _ in range(3):                   # warm-up, capture, replay
+        assert torch.equal(run(model), want)
     st = model._gemma4opt
     assert not st.fallbacks, st.fallbacks
     assert st.graphed_calls >= 3 * 2 * 4 - st.graph_warmups - st.graph_captures

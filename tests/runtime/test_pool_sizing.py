@@ -6,9 +6,9 @@ import torch
 
 import gemma4opt
 from gemma4opt import Gemma4OptConfig
-from gemma4opt.attention.pages import PoolExhausted
-from gemma4opt.runtime import context
-from gemma4opt.runtime.context import pool_pages
+from gemma4opt.paged.tables import PoolExhausted
+from gemma4opt.paged import pool, step
+from gemma4opt.paged.pool import pool_pages
 from tests.models import prompt, tiny
 
 CFG = Gemma4OptConfig(attention="paged", page_size=4, max_seq_len=96, max_batch_size=4)
@@ -50,7 +50,7 @@ def test_capped_pool_runs_generate_and_reports_exhaustion(monkeypatch):
     probe = tiny("tiny")
     gemma4opt.optimize(probe, CFG)
     page = _page_bytes(probe)
-    monkeypatch.setattr(context, "free_device_memory", lambda device: 20 * page)
+    monkeypatch.setattr(step, "free_device_memory", lambda device: 20 * page)
     gemma4opt.optimize(model, dataclasses.replace(CFG, kv_pool_fraction=0.5))
     ctx = model._gemma4opt.context
     assert ctx.seqs["full_attention"].pool.num_pages == 10
@@ -80,7 +80,7 @@ def test_unset_sizes_take_the_model_context_and_half_the_free_memory():
     need = 256 * (cfg.max_position_embeddings // 4 + 1)
     assert pool_pages(cfg, auto, torch.float32, 10 * need * page) == need             # never more than needed
     # CPU (no device to measure): capped at CPU_KV_POOL_BYTES.
-    assert pool_pages(cfg, auto, torch.float32, None) == min(need, context.CPU_KV_POOL_BYTES // page)
+    assert pool_pages(cfg, auto, torch.float32, None) == min(need, pool.CPU_KV_POOL_BYTES // page)
     # Explicit sizes keep their meaning: exactly max_batch_size full-length sequences.
     sized = Gemma4OptConfig(attention="paged", page_size=4, max_batch_size=2, max_seq_len=40).resolve("cpu")
     assert sized.kv_pool_fraction is None and pool_pages(cfg, sized, torch.float32, 1000 * page) == 2 * 11

@@ -53,7 +53,7 @@ def test_subclass_answers_like_hf(cache, returned, assistant):
     """Off CUDA exactly HF's answer (the CPU never defers); on CUDA HF's answer for "mps", so HF's
     own conditions hold: not for an assistant, not for a returned cache that cannot be cropped."""
     if cache == "paged":
-        from gemma4opt.attention.cache import PagedCache
+        from gemma4opt.paged.cache import PagedCache
 
         cache = PagedCache.__new__(PagedCache)        # generate is handed the paged cache: croppable
     sub = _subclass()
@@ -164,7 +164,7 @@ class _Eos(StoppingCriteria):
 def test_paged_cache_under_hf_deferred_check_gives_per_step_results(monkeypatch, stop_at):
     """The paged cache is croppable: HF's deferred check (one extra step, then crop(-1)) gives the
     same ids, scores and cache length as the per-step check, stopping early or at max_new_tokens."""
-    from gemma4opt.attention.cache import PagedCache
+    from gemma4opt.paged.cache import PagedCache
 
     ids = prompt(2, 7, seed=5)
 
@@ -207,7 +207,7 @@ def test_paged_cache_under_hf_deferred_check_gives_per_step_results(monkeypatch,
 
 
 def test_paged_cache_crop_only_drops():
-    from gemma4opt.attention.cache import PagedCache
+    from gemma4opt.paged.cache import PagedCache
 
     cache = PagedCache(None, 2)
     for layer in cache.layers:

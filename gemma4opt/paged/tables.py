@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gemma4opt.attention.page_lists import edit_page_lists, ranks
+from gemma4opt.paged.page_lists import edit_page_lists, ranks
 
 
 class PoolExhausted(RuntimeError):

@@ -1,6 +1,7 @@
-"""FlashInfer paged attention for CUDA: one wrapper per attention kind, planned once per step.
+"""The FlashInfer backend: paged prefill (and decode where the Triton backend refuses or is not
+asked for), one wrapper per attention kind, planned once per step.
 
-The step's page metadata exists on the host first (attention/pages.py), so ``plan`` gets host
+The step's page metadata exists on the host first (paged/tables.py), so ``plan`` gets host
 int32 tensors for qo_indptr, kv_indptr and last_page_len (FlashInfer moves them to the CPU
 otherwise: a device->host sync per plan) and the device copy of kv_indices from the step's one
 staged copy. Every layer of that kind then runs on the same plan; KV-shared layers read their
@@ -8,7 +9,11 @@ producer's pages with it. Sliding and full layers need separate wrappers anyway:
 bakes ``window_left`` into the plan. Head dims: 256 (prefill on FA3 on Hopper) and 512 (FA2; FA3 has no
 512). ``window_left = window - 1`` matches HF's bound (a query sees itself and window-1 keys back).
 
-Registered under an int key so the custom op (which takes no Python objects) can find its plan.
+``gemma4opt::paged_attention_flashinfer(q, kv, token_index, handle)``: q [B, Tq, H, D]; the step's
+real rows are ``token_index`` of q flattened (left padding is not planned; its rows come out
+zero), or Tq = 1 where HF runs a KV-shared layer on the last token only. Custom ops take no Python
+objects: ``handle`` names the backend in a weak table (an address book only: each backend's state
+is its own, and a model's backends go with it).
 
 FlashInfer's plan() stages its schedule in a pinned buffer per wrapper and copies it to the GPU
 asynchronously; a plan() of the next step must not overwrite that buffer before the copy ran.
@@ -20,16 +25,21 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 
 import numpy as np
 import torch
 
+from gemma4opt.paged.backends.base import Backend, KindGeometry
 from gemma4opt.progress import timed
 
-_PLANS: dict[int, "KindPlan"] = {}
-_keys = itertools.count()
-_FIRST_PLANS: set[tuple] = set()   # kernel configurations planned once in this process
+_BACKENDS: "weakref.WeakValueDictionary[int, FlashInferBackend]" = weakref.WeakValueDictionary()
+_handles = itertools.count()
+# Kernel configurations planned once in this process: FlashInfer's JIT cache is per process too,
+# so this only says when a first plan may take ~30 s (a progress note), never what runs.
+_FIRST_PLANS: set[tuple] = set()
 WORKSPACE_BYTES = 256 << 20     # FlashInfer's float scratch, at least (prefill's split-KV partials)
+HEAD_DIMS = (64, 128, 256, 512)   # the head dims FlashInfer 0.6's paged kernels are built for
 
 
 def available() -> str | None:
@@ -41,26 +51,30 @@ def available() -> str | None:
     return None
 
 
-class KindPlan:
-    """One attention kind's FlashInfer wrapper and the geometry it was built for."""
+class FlashInferBackend(Backend):
+    """One attention kind's FlashInfer wrappers and the geometry they were built for."""
 
-    def __init__(self, workspace, num_qo_heads, num_kv_heads, head_dim, page_size, window, dtype, scale=1.0,
-                 last_token_layers=False, max_pages=0, fast_replan: bool = True, decode_kernel: str = "flashinfer",
-                 num_sms: int = 132):
+    name = "flashinfer"
+    op_name = "paged_attention_flashinfer"
+    device_fields = ("kv_indices",)       # plan() reads the page ids on the device; the op reads none
+
+    def __init__(self, geometry: KindGeometry, workspace, max_pages: int = 0, fast_replan: bool = True):
         import flashinfer
 
-        from gemma4opt.attention.flashinfer_replan import FastReplan
+        from gemma4opt.paged.backends.flashinfer_replan import FastReplan
 
-        self.key = next(_keys)
-        self.heads = (num_qo_heads, num_kv_heads, head_dim)
-        self.page_size, self.window, self.dtype, self.scale = page_size, window, dtype, scale
-        self.window_left = (window - 1) if window else -1     # HF's bound: the query and window-1 keys back
+        super().__init__(geometry)
+        g = geometry
+        self.handle = next(_handles)
+        self.heads = (g.heads, g.kv_heads, g.head_dim)
+        self.page_size, self.window, self.dtype, self.scale = g.page_size, g.window, g.dtype, g.scale
+        self.window_left = (g.window - 1) if g.window else -1     # HF's bound: the query and window-1 keys back
         self.workspace, self.max_pages = workspace, max_pages
         # Prefill: FA3 on Hopper where it exists (head_dim <= 256). Decode: FA2, whose planner
         # splits each sequence's KV across CTAs; FA3 runs one query row per CTA over the whole
         # sequence: measured on an H200 (benchmarks/bench_attention.py, head_dim 256, batch 32,
         # 4k context) 322 µs (39 % of copy bandwidth) against FA2's 142 µs (89 %).
-        self.backend = "fa2" if head_dim > 256 else "auto"
+        self.backend = "fa2" if g.head_dim > 256 else "auto"
         self._new = flashinfer.BatchPrefillWithPagedKVCacheWrapper
 
         def wrapper(backend=self.backend):
@@ -69,31 +83,42 @@ class KindPlan:
         self.wrapper = wrapper()
         self.decode_wrapper = wrapper("fa2")
         # KV-shared layers at prefill: one query (the last token) per sequence over the same pages.
-        self.last_wrapper = wrapper("fa2") if last_token_layers else None
+        self.last_wrapper = wrapper("fa2") if g.last_token_layers else None
         # Decode graphs: one wrapper per batch bucket, its index buffers at fixed addresses (the
         # graph reads them); plan() before each replay rewrites their contents.
         self.graph_wrappers: dict[int, object] = {}
         self.current = self.wrapper
         self._plan_copied: dict[int, torch.cuda.Event] = {}   # wrapper -> event after its plan's copy
-        # Decode graphs' replans skip FlashInfer's Python plan() (self-checked; attention/flashinfer_replan.py).
+        # Decode graphs' replans skip FlashInfer's Python plan() (self-checked; flashinfer_replan.py).
         self.replan = FastReplan() if fast_replan else None
-        # Decode steps on gemma4opt's Triton kernel instead (kernels/paged_decode.py): no plan at all.
-        from gemma4opt.kernels.paged_decode import supported
-
-        want = decode_kernel == "triton" or (decode_kernel == "auto" and head_dim <= 256)
-        self.triton_unsupported = supported(num_qo_heads, num_kv_heads, head_dim) if want else None
-        self.triton_decode = want and self.triton_unsupported is None
-        self.num_sms = num_sms
-        self.triton = False          # this step: the Triton kernel (set by use_triton, cleared by plan)
-        self.triton_steps = 0
         self.decode = False
         self.planned = False
-        _PLANS[self.key] = self
+        self.plans = self.decode_plans = 0
+        _BACKENDS[self.handle] = self
 
-    def use_triton(self) -> None:
-        """This step is a decode step: the Triton kernel reads the page table, nothing to plan."""
-        self.triton = self.decode = self.planned = True
-        self.triton_steps += 1
+    @classmethod
+    def refuses(cls, geometry: KindGeometry) -> str | None:
+        if geometry.dtype not in (torch.float16, torch.bfloat16):
+            return (f"FlashInfer supports float16 and bfloat16 and this model is {geometry.dtype}: cast it "
+                    "(model.to(torch.bfloat16)) or use attention='hf'")
+        if geometry.head_dim not in HEAD_DIMS:
+            return (f"head_dim {geometry.head_dim} is not one FlashInfer's paged kernels are built for "
+                    f"{list(HEAD_DIMS)}; use attention='hf' for this model")
+        return None
+
+    def prepare(self, host, dev, pad_to) -> None:
+        self.plan(host.qo_indptr, host.kv_indptr, host.kv_last_page_len, dev[f"{self.geometry.kind}.kv_indices"],
+                  bucket=pad_to)
+
+    def attend(self, q, kv, meta, token_index, new_lens, window, scale):
+        self.check_layer(window, scale)
+        return torch.ops.gemma4opt.paged_attention_flashinfer(q, kv, token_index, self.handle)
+
+    def stats(self):
+        out = {"plans": self.plans, "decode plans": self.decode_plans}
+        if self.replan is not None and self.replan.fast_plans + self.replan.full_plans:
+            out["graph replans"] = self.replan.summary()
+        return out
 
     def _graph_wrapper(self, bucket: int):
         w = self.graph_wrappers.get(bucket)
@@ -112,7 +137,6 @@ class KindPlan:
     def plan(self, qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_last_page_len: np.ndarray,
              kv_indices: torch.Tensor, bucket: int | None = None) -> None:
         """Plan this step (``bucket``: a graphed decode step of that many rows, padding included)."""
-        self.triton = False
         B = len(kv_last_page_len)
         kv_indptr = np.ascontiguousarray(kv_indptr, dtype=np.int32)
         # A copy: the decode fast path advances last_page_len in place next step (pages.py).
@@ -135,6 +159,8 @@ class KindPlan:
             ones = torch.from_numpy(np.arange(B + 1, dtype=np.int32))
             self._plan(self.last_wrapper, ones, kv_indptr_t, kv_indices, last_t, kv_lens_t, 1)
         self.planned = True
+        self.plans += 1
+        self.decode_plans += self.decode
 
     def _plan(self, wrapper, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_lens, max_q,
               graph: bool = False) -> None:
@@ -146,7 +172,7 @@ class KindPlan:
         def full_plan():
             wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, h, kvh, d, self.page_size, causal=True,
                          window_left=self.window_left, sm_scale=self.scale, q_data_type=self.dtype,
-                         kv_data_type=self.dtype, non_blocking=True, seq_lens=kv_lens, max_token_per_sequence=max_q)
+                         kv_data_type=self.geometry.kv_dtype, non_blocking=True, seq_lens=kv_lens, max_token_per_sequence=max_q)
 
         # FlashInfer JIT-compiles a kernel configuration on its first use (~30 s on a fresh machine).
         first = (h, kvh, d, getattr(wrapper, "_backend", None), graph) not in _FIRST_PLANS
@@ -164,39 +190,44 @@ class KindPlan:
             ev.record()
             self._plan_copied[id(wrapper)] = ev
 
-    def release(self) -> None:
-        _PLANS.pop(self.key, None)
+    def run(self, q: torch.Tensor, kv: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """This step's attention for ``q`` [rows, heads, D] on the plan made by ``prepare``."""
+        if not self.planned:
+            raise RuntimeError("gemma4opt.paged_attention_flashinfer: no plan for this step (the paged cache's step "
+                               "was not begun on this model)")
+        if last_only and not self.decode:
+            if self.last_wrapper is None:
+                raise RuntimeError("gemma4opt.paged_attention_flashinfer: a last-token query at prefill, but this "
+                                   "model has no KV-shared layers to plan it for")
+            return self.last_wrapper.run(q, kv)
+        return self.current.run(q, kv)
 
 
-def uses_triton(plan_key: int) -> bool:
-    """Whether this step runs the Triton kernel for this plan's kind (set by the step, host only)."""
-    plan = _PLANS.get(plan_key)
-    return plan is not None and plan.planned and plan.triton
+@torch.library.custom_op("gemma4opt::paged_attention_flashinfer", mutates_args=())
+def paged_attention_flashinfer(q: torch.Tensor, kv: torch.Tensor, token_index: torch.Tensor,
+                               handle: int) -> torch.Tensor:
+    backend = _BACKENDS.get(handle)
+    if backend is None:
+        raise RuntimeError("gemma4opt.paged_attention_flashinfer: its backend is gone (the model was optimized "
+                           "again or freed)")
+    B, Tq = q.shape[:2]
+    if Tq == 1:
+        # Decode, or a KV-shared layer at prefill (HF runs those on the last token only): one
+        # query per sequence, always a real token. Shapes alone tell which plan (no device read).
+        flat = backend.run(q.reshape(B, *q.shape[2:]).contiguous(), kv, last_only=token_index.shape[0] != B)
+        return flat.reshape(q.shape)
+    if token_index.shape[0] > B * Tq:
+        raise ValueError(f"gemma4opt.paged_attention_flashinfer: {Tq} query rows per sequence but the step has more "
+                         "tokens; queries must be the whole step or its last token (logits_to_keep=1)")
+    flat = backend.run(q.reshape(B * Tq, *q.shape[2:]).index_select(0, token_index).contiguous(), kv)
+    out = torch.zeros(B * Tq, *q.shape[2:], dtype=q.dtype, device=q.device)
+    out.index_copy_(0, token_index.long(), flat.to(q.dtype))
+    return out.reshape(q.shape)
 
 
-def run_planned(plan_key: int, q: torch.Tensor, kv: torch.Tensor, window: int, scale: float,
-                last_only: bool = False, pages: tuple | None = None, tokens: int = 1) -> torch.Tensor:
-    """This step's attention for ``q`` [rows, heads, D]; ``pages`` = (page table, seq_lens) on the
-    device, which the Triton decode kernel reads (StepContext.begin_step stages them); ``tokens``:
-    query rows per sequence there (a graphed multi-token step, StepContext.begin_token_step)."""
-    plan = _PLANS.get(plan_key)
-    if plan is None or not plan.planned:
-        raise RuntimeError(f"gemma4opt.paged_attention: no FlashInfer plan {plan_key} for this step (the paged "
-                           "cache's step was not begun on this model)")
-    if (window if window > 0 else None) != plan.window or scale != plan.scale:
-        raise RuntimeError(f"gemma4opt.paged_attention: layer (window {window}, scale {scale}) does not match its "
-                           f"kind's plan (window {plan.window}, scale {plan.scale})")
-    if last_only and not plan.decode:
-        if plan.last_wrapper is None:
-            raise RuntimeError("gemma4opt.paged_attention: a last-token query at prefill, but this model has no "
-                               "KV-shared layers to plan it for")
-        return plan.last_wrapper.run(q, kv)
-    if plan.triton:
-        from gemma4opt.kernels.paged_decode import paged_decode_triton
-
-        return paged_decode_triton(q, kv, *pages, window=max(window, 0), scale=scale, num_sms=plan.num_sms,
-                                   tokens=tokens)
-    return plan.current.run(q, kv)
+@paged_attention_flashinfer.register_fake
+def _(q, kv, token_index, handle):
+    return torch.empty_like(q)
 
 
 def workspace_bytes(geometries, max_batch: int, num_sms: int) -> int:
@@ -217,26 +248,14 @@ def workspace_bytes(geometries, max_batch: int, num_sms: int) -> int:
     return max(WORKSPACE_BYTES, need + (1 << 20))      # + alignment slack
 
 
-def build_plans(text_config, page_size: int, device, dtype, max_pages: int = 0,
-                fast_replan: bool = True, max_batch: int = 1, decode_kernel: str = "flashinfer") -> dict[str, KindPlan]:
-    """One plan per attention kind present in the model, sharing one float workspace sized for
-    decode graphs of up to ``max_batch`` rows."""
-    kinds = {}
-    for layer, kind in enumerate(text_config.layer_types):
-        kinds.setdefault(kind, layer)
-    geometries = [(text_config.num_attention_heads, text_config.per_layer_config[layer].num_key_value_heads,
-                   text_config.per_layer_config[layer].head_dim) for layer in kinds.values()]
-    dev = torch.device(device)
-    # Off CUDA (the CPU tests, Triton interpreted): a small GPU, so the split grid stays small.
+def flashinfer_backends(geometries: dict[str, KindGeometry], max_pages: int, max_batch: int,
+                        fast_replan: bool = True) -> dict[str, FlashInferBackend]:
+    """One backend per attention kind, sharing one float workspace sized for decode graphs of up
+    to ``max_batch`` rows."""
+    dev = torch.device(next(iter(geometries.values())).device)
+    # Off CUDA (the CPU tests, FlashInfer stood in): a small GPU, so the split grid stays small.
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 2
-    workspace = torch.empty(workspace_bytes(geometries, max_batch, sms), dtype=torch.uint8, device=device)
-    plans = {}
-    for kind, layer in kinds.items():
-        lc = text_config.per_layer_config[layer]
-        window = text_config.sliding_window if kind == "sliding_attention" else None
-        plans[kind] = KindPlan(workspace, text_config.num_attention_heads, lc.num_key_value_heads, lc.head_dim,
-                               page_size, window, dtype,
-                               last_token_layers=bool(getattr(text_config, "num_kv_shared_layers", 0)),
-                               max_pages=max_pages, fast_replan=fast_replan, decode_kernel=decode_kernel,
-                               num_sms=sms)
-    return plans
+    shapes = [(g.heads, g.kv_heads, g.head_dim) for g in geometries.values()]
+    workspace = torch.empty(workspace_bytes(shapes, max_batch, sms), dtype=torch.uint8, device=dev)
+    return {kind: FlashInferBackend(g, workspace, max_pages=max_pages, fast_replan=fast_replan)
+            for kind, g in geometries.items()}

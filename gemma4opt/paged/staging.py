@@ -12,12 +12,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gemma4opt.runtime.decode_graphs import mark_fixed
+from gemma4opt.fixed_tensors import FixedTensors
 
 
 class HostStaging:
-    def __init__(self, device, capacity: int = 1 << 16):
+    def __init__(self, device, fixed: FixedTensors | None = None, capacity: int = 1 << 16):
         self.device = torch.device(device)
+        self.fixed = fixed if fixed is not None else FixedTensors()
         self.cuda = self.device.type == "cuda"
         self.copies = 0                # host->device copies issued (one per step)
         self._slot = 0
@@ -75,7 +76,7 @@ class HostStaging:
         views = {name: (v if len(shape) == 1 else v.view(shape))
                  for (name, shape), v in zip(key, base[:total].split(sizes))}
         for v in views.values():
-            mark_fixed(v)
+            self.fixed.add(v)
         packed = [h[:total] for h in self.host_np]
         copies = [(self.dev[:total], h[:total]) for h in self.host] if self.cuda else None
         layout = self._layouts[key] = (total, packed, copies, views)

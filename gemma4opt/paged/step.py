@@ -1,9 +1,10 @@
-"""StepContext: one optimized model's KV pages and the metadata of the step being run.
+"""StepContext: one optimized model's paged KV state and the metadata of the step being run.
 
-Built once per model (the pool is reused by every generate call). Before each forward the
-host builds the step's page metadata in numpy (see attention/pages.py) and hands it to the
-graph as small int tensors; the attention layers find it through ``module._gemma4opt_ctx``
-instead of threading arguments through HF's model code.
+Built once per model (the pool is reused by every generate call). Before each forward the host
+builds the step's page metadata in numpy (paged/tables.py), stages it on the device in one copy
+(paged/staging.py), picks each attention kind's backend for the step (paged/backends/) and lets it
+prepare; the attention layers find all of it through ``module._gemma4opt_ctx`` (paged/
+attention_function.py) instead of threading arguments through HF's model code.
 """
 from __future__ import annotations
 
@@ -12,76 +13,22 @@ import weakref
 import numpy as np
 import torch
 
-from gemma4opt.attention.pages import PagedSequences, PagePool, StepMeta
-from gemma4opt.attention.staging import HostStaging
-from gemma4opt.config import CPU_KV_POOL_BYTES
-from gemma4opt.runtime.decode_graphs import mark_fixed
+from gemma4opt.fixed_tensors import FixedTensors
+from gemma4opt.paged.backends import KINDS, KindBackends, choose, geometries
+from gemma4opt.paged.backends.base import Backend, is_prefix
+from gemma4opt.paged.pool import allocate_kv, free_device_memory, kv_producers, pool_pages
+from gemma4opt.paged.staging import HostStaging
+from gemma4opt.paged.tables import PagedSequences, PagePool, StepMeta
 
-KINDS = ("sliding_attention", "full_attention")
 # Tokens a recording cache keeps past the sliding window: the most HF may crop at once (an
 # assisted draft is at most num_assistant_tokens, 20 by default, growing by 2 per accepted draft).
 RECORD_MARGIN = 128
-# Per-kind page metadata the attention ops read on the device: all of it for the reference
-# attention; with FlashInfer (whose plan took the rest from host arrays) only what kv_append and
-# plan read there. Fields not staged are passed as one empty tensor the CUDA op ignores.
-DEVICE_FIELDS = ("kv_indptr", "kv_indices", "kv_last_page_len", "kv_start", "seq_lens", "slot_mapping")
-FLASHINFER_FIELDS = ("kv_indices", "slot_mapping")
-
-
-def kv_producers(cfg) -> dict[int, int]:
-    """layer -> the layer whose KV it reads (itself, or for KV-shared layers the last owner of its type)."""
-    first_shared = cfg.num_hidden_layers - (cfg.num_kv_shared_layers or 0)
-    out = {}
-    for i, kind in enumerate(cfg.layer_types):
-        if i < first_shared:
-            out[i] = i
-        else:
-            out[i] = max(j for j in range(first_shared) if cfg.layer_types[j] == kind)
-    return out
-
-
-def free_device_memory(device) -> int | None:
-    """Bytes free on a CUDA device (None elsewhere: no cap, host memory is not sized here),
-    counting what PyTorch's caching allocator holds but does not use: it gives that back to CUDA
-    before an allocation fails (after an HF generate at batch 128 x 2048 tokens, 100+ GiB of it)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return torch.cuda.mem_get_info(device)[0] + cached
-
-
-def pool_pages(cfg, oc, dtype, free_bytes: int | None) -> int:
-    """Pages per attention kind: kv_pool_pages; else max_batch_size full-length sequences, capped at
-    kv_pool_fraction of ``free_bytes`` (GPU) or at CPU_KV_POOL_BYTES (``free_bytes`` None: CPU);
-    without a fraction, refused with the sizes when they cannot fit in 90 % of ``free_bytes``."""
-    if oc.kv_pool_pages:
-        return oc.kv_pool_pages
-    pages = oc.max_batch_size * (-(-oc.max_seq_len // oc.page_size) + 1)
-    elem = dtype.itemsize
-    page_bytes = sum(2 * oc.page_size * cfg.per_layer_config[layer].num_key_value_heads
-                     * cfg.per_layer_config[layer].head_dim * elem
-                     for layer, owner in kv_producers(cfg).items() if layer == owner)   # one page, every layer
-    if free_bytes is None:
-        return max(2, min(pages, CPU_KV_POOL_BYTES // page_bytes))
-    if oc.kv_pool_fraction is not None:
-        fit = int(oc.kv_pool_fraction * free_bytes // page_bytes)
-        if fit < 2:           # the padding row's page and at least one more
-            raise ValueError(f"Gemma4OptConfig.kv_pool_fraction={oc.kv_pool_fraction}: {fit} KV pages of "
-                             f"{page_bytes / 2**20:.1f} MiB fit in {free_bytes / 2**30:.1f} GiB free; raise it")
-        return min(pages, fit)
-    if pages * page_bytes > 0.9 * free_bytes:
-        raise ValueError(
-            f"gemma4opt: the paged KV pools for max_batch_size={oc.max_batch_size} sequences of max_seq_len="
-            f"{oc.max_seq_len} tokens need {pages * page_bytes / 2**30:.1f} GiB ({pages} pages of "
-            f"{page_bytes / 2**20:.1f} MiB over every layer), more than 90 % of the {free_bytes / 2**30:.1f} GiB "
-            "free; lower max_batch_size or max_seq_len, or set kv_pool_fraction (e.g. 0.8) or kv_pool_pages")
-    return pages
 
 
 class StepContext:
-    def __init__(self, text_config, opt_config, device, dtype):
+    def __init__(self, text_config, opt_config, device, dtype, fixed: FixedTensors | None = None):
         cfg, oc = text_config, opt_config
+        self.fixed = fixed if fixed is not None else FixedTensors()
         self.page_size = oc.page_size
         self.max_batch = oc.max_batch_size
         self.max_seq_len = oc.max_seq_len
@@ -91,28 +38,15 @@ class StepContext:
                                        oc.max_seq_len, windows[k]) for k in KINDS}
         self.producer = kv_producers(cfg)
         self.layer_kind = list(cfg.layer_types)
-        self.kv: dict[int, torch.Tensor] = {}
-        for layer, owner in self.producer.items():
-            if layer == owner:
-                lc = cfg.per_layer_config[layer]
-                self.kv[layer] = torch.zeros(n_pages, 2, oc.page_size, lc.num_key_value_heads, lc.head_dim,
-                                             device=device, dtype=dtype)
-                mark_fixed(self.kv[layer])       # decode graphs bake the pool's address
+        self.kv = allocate_kv(cfg, n_pages, oc.page_size, device, dtype)
+        for t in self.kv.values():
+            self.fixed.add(t)                    # decode graphs bake the pool's address
         # Decode graphs pad a batch to its bucket with rows of a dummy sequence: one page per kind,
         # taken now, while the pool is empty, so padding never needs a free page later.
         self.buckets = tuple(oc.decode_buckets or ()) if oc.cuda_graphs else ()
         self.dummy_page = {k: int(self.seqs[k].pool.alloc(1)[0]) for k in KINDS} if self.buckets else {}
-        self.staging = HostStaging(device)
+        self.staging = HostStaging(device, self.fixed)
         self.device = torch.device(device)
-        self.unused = torch.zeros(0, dtype=torch.int32, device=device)
-        # CUDA: FlashInfer planned once per step per kind; CPU: the reference reads the metadata.
-        plans = {}
-        if self.device.type == "cuda":
-            from gemma4opt.attention.flashinfer import build_plans
-
-            plans = build_plans(cfg, oc.page_size, device, dtype, max_pages=n_pages + self.max_batch,
-                                fast_replan=oc.fast_replan, max_batch=self.max_batch, decode_kernel=oc.decode_kernel)
-        self.use_plans(plans)
         self.active = False
         self.last_kv_held = (0, 0)  # (bytes, sequences) when the last generate released its pages
         # Row allocator: every live PagedCache holds rows of the page tables (all kinds share the
@@ -121,6 +55,7 @@ class StepContext:
         self.collected: list[np.ndarray] = []   # rows of caches garbage-collected, freed at the next page work
         self._owner = None          # weakref to the cache that took rows last (diagnostics)
         self.meta: dict[str, dict[str, torch.Tensor]] = {}
+        self.route: dict[str, Backend] = {}     # this step's backend per kind
         self.token_index: torch.Tensor | None = None
         self.new_lens: torch.Tensor | None = None
         self._real_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
@@ -129,27 +64,30 @@ class StepContext:
         self._arange_dev: dict[int, torch.Tensor] = {}
         for b in self.buckets:
             self._arange(b)
+        self.use_backends(choose(geometries(cfg, oc.page_size, device, dtype), self.device.type == "cuda",
+                                 oc.decode_kernel, max_pages=n_pages + self.max_batch, max_batch=self.max_batch,
+                                 fast_replan=oc.fast_replan))
 
-    def use_plans(self, plans) -> None:
-        """Attention plans per kind (FlashInfer's; the CPU tests pass stand-ins). Kinds whose decode
-        runs the Triton kernel get a device mirror of their page table [max_batch, ring], at a fixed
-        address (decode graphs bake it), kept current by the table writes each step queues."""
-        self.plans = plans
-        self.plan_key = {k: (plans[k].key if k in plans else -1) for k in KINDS}
-        self._meta_cache: dict[tuple, tuple] = {}   # bound metadata named the old tables and fields
-        kinds = [k for k, p in plans.items() if p.triton_decode]
+    def use_backends(self, backends: dict[str, KindBackends]) -> None:
+        """Each kind's prefill and decode backends (``backends.choose``; the CPU tests pass CUDA's,
+        with FlashInfer stood in). Kinds whose decode backend reads the page table get a device
+        mirror of it [max_batch, ring], at a fixed address (decode graphs bake it), kept current
+        by the table writes each step queues."""
+        self.backends = backends
+        self._meta_cache: dict[tuple, tuple] = {}   # bound metadata named the old tables
+        kinds = [k for k, b in backends.items() if b.decode.reads_table]
         # One tensor for every kind's table (one scatter a step brings them up to date); each kind
         # reads its [max_batch, ring] slice.
         ring = max((self.seqs[k].ring for k in kinds), default=0)
-        self.table_dev = torch.zeros(len(kinds), self.max_batch, ring, dtype=torch.int32, device=self.device)
-        mark_fixed(self.table_dev)
+        self.table_dev = self.fixed.add(torch.zeros(len(kinds), self.max_batch, ring, dtype=torch.int32,
+                                                    device=self.device))
         self.tables = {}
         for i, kind in enumerate(kinds):
             seqs = self.seqs[kind]
             seqs.track_updates = True
             seqs.mirror_base, seqs.mirror_stride = i * self.max_batch * ring, ring
-            self.tables[kind] = self.table_dev[i, :, :seqs.ring]
-            mark_fixed(self.tables[kind])      # a view at its own address: graphs read it in place
+            # A view at its own address: graphs read it in place.
+            self.tables[kind] = self.fixed.add(self.table_dev[i, :, :seqs.ring])
             self.tables[kind].copy_(torch.from_numpy(seqs.table))
         for kind in KINDS:
             if kind not in self.tables:
@@ -158,19 +96,17 @@ class StepContext:
     def _arange(self, n: int) -> torch.Tensor:
         t = self._arange_dev.get(n)
         if t is None:
-            t = self._arange_dev[n] = torch.arange(n, dtype=torch.int32, device=self.device)
-            mark_fixed(t)
+            t = self._arange_dev[n] = self.fixed.add(torch.arange(n, dtype=torch.int32, device=self.device))
         return t
 
     def token_bucket(self, cache, batch: int, tokens: int) -> tuple[int, int] | None:
         """(rows, tokens) of the graph a step of ``tokens`` > 1 new tokens per sequence runs in:
         powers of two from 2, as long as rows x tokens fits the largest decode bucket (its size
-        bounds what a capture holds); None when it does not fit, a kind is not on the Triton
-        kernel (FlashInfer's multi-token plans are made per step, outside graphs) or the cache
-        does not hold rows 0..batch-1 (the kernel reads table row b for sequence b)."""
+        bounds what a capture holds); None when it does not fit, a kind's decode backend does not
+        read the page table (FlashInfer's multi-token plans are made per step, outside graphs) or
+        the cache does not hold rows 0..batch-1 (the table is read by batch row)."""
         rows = self.bucket(batch)
-        if rows is None or not self.plans or any(k not in self.tables for k in self.plans) \
-                or not _is_prefix(cache.rows):
+        if rows is None or any(k not in self.tables for k in self.backends) or not is_prefix(cache.rows):
             return None
         padded = 1 << (tokens - 1).bit_length()
         if rows * padded > self.buckets[-1]:
@@ -180,8 +116,8 @@ class StepContext:
     def begin_token_step(self, cache, batch: int, tokens: int, pad_rows: int, pad_tokens: int) -> None:
         """Host metadata for a graphed step of ``tokens`` new (real) tokens on each of the
         cache's ``batch`` sequences, padded to ``pad_rows`` x ``pad_tokens`` (``token_bucket``):
-        one query row per token for the Triton kernel, which reads the page table; padding rows
-        and tokens are one-token rows of the dummy sequence. The cache must hold rows 0..batch-1."""
+        one query row per token for the table backends; padding rows and tokens are one-token
+        rows of the dummy sequence. The cache must hold rows 0..batch-1."""
         self.free_collected()
         lens_slots = {}
         for kind in KINDS:
@@ -202,9 +138,9 @@ class StepContext:
         """Host-side metadata for this forward. Reads the 2-D attention mask at prefill only.
 
         ``pad_to``: a graphed decode step of ``pad_to`` rows, the last ones padding (dummy
-        sequence). The graph then gets only fixed-shape tensors: with FlashInfer, whose plan holds
-        the page lists, kv_indices stays out of it; with the Triton kernel, the kind's device page
-        table (fixed address) and the lengths.
+        sequence). The graph then gets only fixed-shape tensors: a table backend's device page
+        table (fixed address) and lengths; a page-list backend's op reads nothing that changes
+        length (FlashInfer's plan holds the page lists).
         """
         self.free_collected()
         first = cache.rows is None
@@ -227,24 +163,30 @@ class StepContext:
         else:
             new = real.sum(1)
             token_index = np.flatnonzero(real.reshape(-1))
-        # Kinds whose decode runs the Triton kernel: lengths and slots only, no page lists, no plan.
-        # That kernel reads table row b for batch row b: only a cache holding rows 0..B-1 runs it.
-        triton = self.tables if decode and _is_prefix(cache.rows) else ()
-        host = {kind: self.seqs[kind].step(cache.rows, new, decode) for kind in KINDS if kind not in triton}
-        lens_slots = {kind: self.seqs[kind].table_step(cache.rows) for kind in triton}
+        # Kinds whose decode backend reads the table: lengths and slots only, no page lists. It
+        # reads table row b for batch row b: only a cache holding rows 0..B-1 runs it.
+        table = self.tables if decode and is_prefix(cache.rows) else ()
+        host = {kind: self.seqs[kind].step(cache.rows, new, decode) for kind in KINDS if kind not in table}
+        lens_slots = {kind: self.seqs[kind].table_step(cache.rows) for kind in table}
         if pad_to is not None:
             if not decode:
                 raise ValueError("gemma4opt: only decode steps are padded to a graph bucket")
             host = {kind: self._padded(kind, m, pad_to - batch) for kind, m in host.items()}
             lens_slots = {kind: self._padded_lens(kind, *ls, pad_to - batch) for kind, ls in lens_slots.items()}
             new, token_index = self._all_real(pad_to, 1)
-        self._stage_step(host, lens_slots, new, token_index, pad_to)
+        self._stage_step(host, lens_slots, new, token_index, pad_to, decode)
 
-    def _stage_step(self, host, lens_slots, new, token_index, pad_to) -> None:
-        """Stage the step's arrays (one copy), bring the device page tables up to date, bind the
-        attention ops' metadata, and plan the kinds FlashInfer runs."""
-        graph = pad_to is not None and bool(self.plans)
-        fields = FLASHINFER_FIELDS if self.plans else DEVICE_FIELDS
+    def _stage_step(self, host, lens_slots, new, token_index, pad_to, decode: bool = True) -> None:
+        """Pick each kind's backend, stage the step's arrays (one copy), bring the device page
+        tables up to date, bind the backends' metadata and let them prepare (FlashInfer plans)."""
+        graph = pad_to is not None
+        self.route = {kind: self.backends[kind].decode if kind in lens_slots or decode else self.backends[kind].prefill
+                      for kind in self.backends}
+        # A decode step whose rows a table backend cannot read goes to the kind's prefill backend.
+        for kind in host:
+            if kind in self.route and self.route[kind].reads_table:
+                self.route[kind] = self.backends[kind].prefill
+        host = {kind: m for kind, m in host.items() if kind in self.route}    # kinds the model has
         # What a decode graph reads comes first: one entry per row, so every step of a bucket cuts
         # them at the same offsets and the graph reads them in place. Page lists, whose length
         # changes as pages come and go, and the table writes follow.
@@ -254,27 +196,24 @@ class StepContext:
             arrays[f"{kind}.slot_mapping"] = slots
         for kind, m in host.items():
             arrays[f"{kind}.slot_mapping"] = m.slot_mapping
-        arrays.update((f"{kind}.{f}", getattr(m, f)) for kind, m in host.items() for f in fields
-                      if f != "slot_mapping")
+        arrays.update((f"{kind}.{f}", getattr(m, f)) for kind, m in host.items()
+                      for f in self.route[kind].device_fields)
         updates = self._take_updates()
         if updates is not None:
             arrays["upd_idx"], arrays["upd_ids"] = updates
         if not graph:                 # a decode graph's rows are 0..pad_to-1: a cached device arange
             arrays["token_index"] = token_index
-        if not self.plans:
+        reads_new = any(self.route[kind].needs_new_lens for kind in host)
+        if reads_new:
             arrays["new_lens"] = new
         dev = self.staging.stage(arrays)          # one host->device copy for the whole step
         if updates is not None:                   # the device tables catch up with the host's writes
             self.table_dev.view(-1).index_put_((dev["upd_idx"],), dev["upd_ids"])
-        self.meta = self._bound_meta(dev, tuple(host), tuple(lens_slots), graph)
+        self.meta = self._bound_meta(dev, tuple(host), tuple(lens_slots))
         self.token_index = dev["token_index"] if not graph else self._arange(pad_to)
-        self.new_lens = dev.get("new_lens", self.unused)
-        for kind, plan in self.plans.items():     # once per step per kind, from host arrays
-            if kind in lens_slots:
-                plan.use_triton()
-            else:
-                m = host[kind]
-                plan.plan(m.qo_indptr, m.kv_indptr, m.kv_last_page_len, dev[f"{kind}.kv_indices"], bucket=pad_to)
+        self.new_lens = dev["new_lens"] if reads_new else None
+        for kind, backend in self.route.items():     # once per step per kind
+            backend.prepare(host.get(kind), dev, pad_to)
 
     def _take_updates(self) -> tuple[np.ndarray, np.ndarray] | None:
         """Every kind's queued device-table writes, as one (flat index, page id) pair or None."""
@@ -289,21 +228,19 @@ class StepContext:
             idx, ids = np.concatenate([idx, idx[-1:].repeat(pad)]), np.concatenate([ids, ids[-1:].repeat(pad)])
         return idx, ids
 
-    def _bound_meta(self, dev, host_kinds, triton_kinds, graph) -> dict[str, dict[str, torch.Tensor]]:
-        """The attention ops' metadata per kind, built from the staged views. Cached per layout:
-        a layout's views are the same tensors every step (HostStaging), so decode steps rebuild
-        nothing."""
-        key = (id(dev), host_kinds, triton_kinds, graph)
+    def _bound_meta(self, dev, list_kinds, table_kinds) -> dict[str, dict[str, torch.Tensor]]:
+        """Per kind, the tensors its backend's op reads (and kv_append's slots), from the staged
+        views. Cached per layout: a layout's views are the same tensors every step (HostStaging),
+        so decode steps rebuild nothing."""
+        key = (id(dev), list_kinds, table_kinds, tuple(id(b) for b in self.route.values()))
         got = self._meta_cache.get(key)
         if got is not None and got[0] is dev:
             return got[1]
-        in_graph = ("slot_mapping",) if graph else (FLASHINFER_FIELDS if self.plans else DEVICE_FIELDS)
-        meta = {kind: {f: dev[f"{kind}.{f}"] if f in in_graph else self.unused for f in DEVICE_FIELDS}
-                for kind in host_kinds}
-        for kind in triton_kinds:   # the op reads the table as kv_indices and the lengths as seq_lens
-            meta[kind] = {f: self.unused for f in DEVICE_FIELDS}
-            meta[kind].update(kv_indices=self.tables[kind], seq_lens=dev["seq_lens"],
-                              slot_mapping=dev[f"{kind}.slot_mapping"])
+        meta = {kind: {f: dev[f"{kind}.{f}"] for f in ("slot_mapping", *self.route[kind].op_fields)}
+                for kind in list_kinds}
+        for kind in table_kinds:
+            meta[kind] = {"table": self.tables[kind], "seq_lens": dev["seq_lens"],
+                          "slot_mapping": dev[f"{kind}.slot_mapping"]}
         if len(self._meta_cache) > 64:
             self._meta_cache.clear()
         self._meta_cache[key] = (dev, meta)
@@ -393,6 +330,21 @@ class StepContext:
         for kind in KINDS:
             self.seqs[kind].crop(rows, n)
 
+    def describe_backends(self) -> str:
+        """Each kind's backends, what they did, and what was refused (the report's line)."""
+        parts = []
+        for kind, kb in self.backends.items():
+            def one(b):
+                stats = ", ".join(f"{k} {v}" for k, v in b.stats().items())
+                return f"{b.name} ({stats})" if stats else b.name
+            if kb.prefill is kb.decode:
+                text = f"{kind.split('_')[0]}: {one(kb.prefill)} for prefill and decode"
+            else:
+                text = f"{kind.split('_')[0]}: prefill {one(kb.prefill)}, decode {one(kb.decode)}"
+            text += "".join(f", {name} refused: {why}" for name, why in kb.refused.items())
+            parts.append(text)
+        return "; ".join(parts)
+
     @property
     def owner(self):
         """The live PagedCache that took rows last, or None."""
@@ -410,7 +362,3 @@ def _weak(cache):
         return weakref.ref(cache)
     except TypeError:                 # a stand-in (tests): held strongly
         return lambda: cache
-
-
-def _is_prefix(rows) -> bool:
-    return len(rows) > 0 and rows[0] == 0 and rows[-1] == len(rows) - 1

@@ -2,7 +2,7 @@
 
 Registered in transformers' AttentionInterface under ATTN_NAME (its extension point; no HF
 class is patched). It is selected only on the optimized model's own copy of its config, and
-only for the length of a call on a paged cache (runtime.paged_generate.paged_attention_on);
+only for the length of a call on a paged cache (paged/install.py ``paged_attention_on``);
 every other call, and every other model, runs its own attention implementation.
 """
 from __future__ import annotations
@@ -20,16 +20,16 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout=0
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
-    layer = module.layer_idx
-    meta = ctx.meta[module.layer_type]
-    kv = ctx.kv[ctx.producer[layer]]
+    kind = module.layer_type
+    kv = ctx.kv[ctx.producer[module.layer_idx]]
+    meta = ctx.meta[kind]
     if not module.is_kv_shared_layer:
         torch.ops.gemma4opt.kv_append(kv, key.transpose(1, 2), value.transpose(1, 2), meta["slot_mapping"],
                                       ctx.token_index)
-    out = torch.ops.gemma4opt.paged_attention(
-        query.transpose(1, 2), kv, meta["kv_indptr"], meta["kv_indices"], meta["kv_last_page_len"],
-        meta["kv_start"], meta["seq_lens"], ctx.new_lens, ctx.token_index, int(module.sliding_window or -1),
-        float(scaling if scaling is not None else module.scaling), ctx.plan_key[module.layer_type])
+    # The step's backend for this kind (StepContext picks it): Dynamo guards on which one it is,
+    # so a step that picks another runs another graph.
+    out = ctx.route[kind].attend(query.transpose(1, 2), kv, meta, ctx.token_index, ctx.new_lens,
+                                 int(module.sliding_window or -1), float(scaling if scaling is not None else module.scaling))
     return out, None
 
 

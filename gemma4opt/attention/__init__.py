@@ -1,1 +1,0 @@
-"""Paged KV cache: host-side page tables (pages.py) and the reference paged attention (reference.py)."""

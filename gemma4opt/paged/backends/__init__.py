@@ -1,0 +1,83 @@
+"""Paged attention backends (base.py: the interface) and the one place they are chosen.
+
+Per attention kind the model gets a prefill backend and a decode backend, once, when it is
+optimized (``choose``):
+- CPU: the reference for both (reference.py);
+- CUDA: FlashInfer for prefill (flashinfer.py); for decode the Triton kernel (triton.py) when
+  ``decode_kernel`` asks for it and it takes the geometry, else FlashInfer again. What was
+  refused, and why, goes to the report.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gemma4opt.paged.backends.base import Backend, KindGeometry
+
+KINDS = ("sliding_attention", "full_attention")
+
+
+@dataclass
+class KindBackends:
+    prefill: Backend
+    decode: Backend
+    refused: dict[str, str] = field(default_factory=dict)     # backend name -> why it does not run this kind
+
+
+def geometries(text_config, page_size: int, device, dtype, kv_dtype=None) -> dict[str, KindGeometry]:
+    """The geometry of each attention kind present in the model (from its first layer of that kind)."""
+    first = {}
+    for layer, kind in enumerate(text_config.layer_types):
+        first.setdefault(kind, layer)
+    shared = bool(getattr(text_config, "num_kv_shared_layers", 0))
+    out = {}
+    for kind, layer in first.items():
+        lc = text_config.per_layer_config[layer]
+        out[kind] = KindGeometry(
+            kind, text_config.num_attention_heads, lc.num_key_value_heads, lc.head_dim, page_size,
+            text_config.sliding_window if kind == "sliding_attention" else None, dtype, kv_dtype or dtype,
+            last_token_layers=shared, device=str(device))
+    return out
+
+
+def paged_unsupported(dtype, text_config) -> str | None:
+    """Why the CUDA paged path (FlashInfer prefill) cannot run this model, or None."""
+    from gemma4opt.paged.backends.flashinfer import FlashInferBackend
+
+    for g in geometries(text_config, 1, "cuda", dtype).values():
+        why = FlashInferBackend.refuses(g)
+        if why is not None:
+            return why
+    return None
+
+
+def choose(geoms: dict[str, KindGeometry], cuda: bool, decode_kernel: str, max_pages: int, max_batch: int,
+           fast_replan: bool = True) -> dict[str, KindBackends]:
+    """The backends of every kind. ``cuda`` False: the reference (CPU). ``decode_kernel``:
+    "triton" (decode on the Triton kernel where it takes the geometry), "flashinfer", or "auto"
+    (Triton for head dims up to 256)."""
+    if not cuda:
+        from gemma4opt.paged.backends.reference import ReferenceBackend
+
+        out = {}
+        for kind, g in geoms.items():
+            ref = ReferenceBackend(g)
+            out[kind] = KindBackends(ref, ref)
+        return out
+    from gemma4opt.paged.backends.flashinfer import flashinfer_backends
+    from gemma4opt.paged.backends.triton import TritonDecodeBackend
+
+    prefill = flashinfer_backends(geoms, max_pages, max_batch, fast_replan)
+    out = {}
+    for kind, g in geoms.items():
+        out[kind] = KindBackends(prefill[kind], prefill[kind])
+        if decode_kernel == "flashinfer":
+            continue
+        if decode_kernel == "auto" and g.head_dim > 256:
+            out[kind].refused["triton"] = f"decode_kernel='auto' keeps head_dim {g.head_dim} on FlashInfer"
+            continue
+        why = TritonDecodeBackend.refuses(g)
+        if why is None:
+            out[kind].decode = TritonDecodeBackend(g)
+        else:
+            out[kind].refused["triton"] = why
+    return out

@@ -1,0 +1,139 @@
+"""Paged KV on one optimized model: its attention function, its StepContext, and a generate that
+brings a PagedCache; calls that need HF's cache keep HF's path."""
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from gemma4opt.paged.attention_function import register
+from gemma4opt.paged.backends import paged_unsupported
+from gemma4opt.paged.cache import PagedCache
+from gemma4opt.paged.forward import begin_paged_step, is_paged, paged_attention_on
+from gemma4opt.paged.step import StepContext
+from gemma4opt.step_inputs import cache_of, generation_config_of
+
+
+def check_paged_supported(device, dtype, text_config) -> None:
+    """Refuse, before the model changes, what FlashInfer cannot run (the CPU reference runs anything)."""
+    if device.type != "cuda":
+        return
+    why = paged_unsupported(dtype, text_config)
+    if why is not None:
+        raise ValueError(f"Gemma4OptConfig.attention='paged' on CUDA: {why}")
+
+
+def install_paged(model, target, state, device, dtype, edits) -> None:
+    """Paged attention for this instance: KV pool, attention function, and a generate that brings the cache."""
+    register()
+    ctx = StepContext(state.text_config, state.config, device, dtype, state.fixed)
+    state.context = ctx
+    for module in target.modules():
+        if type(module).__name__ == "Gemma4TextAttention":
+            edits.set(module, "_gemma4opt_ctx", ctx)
+    cache_kw = "cache" if "cache" in inspect.signature(state.original_forward).parameters else "past_key_values"
+    original_generate = model.generate
+
+    @functools.wraps(original_generate)
+    def generate(*args, **kwargs):
+        given = cache_of(kwargs)
+        if given is not None:
+            if is_paged(given):              # a PagedCache returned by an earlier call: continue it
+                if given.context is not ctx:
+                    raise ValueError("gemma4opt: this PagedCache belongs to another model (or to this model before "
+                                     "it was optimized again); pass the cache its own model returned, or none")
+                check_generate_limits(ctx, model, args, kwargs, given)
+            return original_generate(*args, **kwargs)      # the caller's cache: HF's path with it
+        gen = generation_config_of(model, kwargs)
+        if gen is None or hf_generate_reason(target, gen) is not None:
+            return original_generate(*args, **kwargs)      # beam search, static cache, attentions...: HF's path
+        check_generate_limits(ctx, model, args, kwargs, None, gen)
+        cache = PagedCache(ctx, state.text_config.num_hidden_layers)
+        if getattr(gen, "is_assistant", False):
+            # HF marks the caches it makes for an assistant, which it crops by whole drafts.
+            cache.activate_past_recording()
+        kwargs[cache_kw] = cache
+        out = None
+        try:
+            out = original_generate(*args, **kwargs)
+            return out
+        finally:
+            # A cache generate returns (return_dict_in_generate) stays with the caller, who may continue
+            # it; it gives its pages back when released or dropped. Otherwise they go back now (also
+            # when generate raises).
+            if _returned_cache(out) is not cache:
+                cache.release()
+
+    edits.set(model, "generate", generate)
+    if target is not model:
+        # Gemma4ForConditionalGeneration: its own forward sees the 2-D mask and the cache and builds
+        # the text model's mask mapping (image tokens included), so the step starts there.
+        outer = model.forward
+
+        @functools.wraps(outer)
+        def forward(*args, **kwargs):
+            if not is_paged(cache_of(kwargs)):
+                return outer(*args, **kwargs)
+            with paged_attention_on(state):
+                begin_paged_step(ctx, args, kwargs, replace_mask=False)
+                return outer(*args, **kwargs)
+
+        edits.set(model, "forward", forward)
+
+
+def _returned_cache(out):
+    if out is None or isinstance(out, torch.Tensor):
+        return None
+    got = getattr(out, "cache", None)
+    return got if got is not None else out.get("past_key_values") if hasattr(out, "get") else None
+
+
+# Generation settings whose forward calls need HF's unfused forward (api._FALLBACK_KWARGS).
+_HF_OUTPUTS = ("output_attentions", "output_hidden_states", "output_router_logits")
+
+
+def hf_generate_reason(target, gen) -> str | None:
+    """Why a generate call runs on HF's own cache (and so HF's attention), or None for a PagedCache."""
+    if (gen.num_beams or 1) > 1:
+        return "beam search"
+    if gen.cache_implementation is not None:
+        return f"cache_implementation={gen.cache_implementation!r}"
+    if gen.use_cache is False:
+        return "use_cache=False"
+    for name in _HF_OUTPUTS:
+        if getattr(gen, name, False):
+            return f"{name} requested"
+    if target.training:
+        return "training mode"
+    return None
+
+
+def check_generate_limits(ctx, model, args, kwargs, cache, gen=None) -> None:
+    """Refuse, before the first token, a call the paged tables cannot hold: more sequences than
+    max_batch_size, or a prompt plus new tokens longer than max_seq_len."""
+    if gen is None:
+        gen = generation_config_of(model, kwargs)
+        if gen is None:
+            return
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        ids = kwargs.get("inputs")
+    embeds = kwargs.get("inputs_embeds")
+    prompt = ids if ids is not None else embeds
+    if prompt is None or not isinstance(prompt, torch.Tensor) or prompt.dim() < 2:
+        return
+    batch, length = prompt.shape[0], prompt.shape[1]
+    batch *= max(gen.num_return_sequences or 1, 1)
+    if cache is None and batch > ctx.max_batch:
+        raise ValueError(f"gemma4opt: a batch of {batch} sequences exceeds Gemma4OptConfig.max_batch_size="
+                         f"{ctx.max_batch}; raise max_batch_size (optimize again) or split the batch")
+    if gen.max_new_tokens is not None:
+        total, how = length + gen.max_new_tokens, f"{length} prompt tokens + max_new_tokens={gen.max_new_tokens}"
+    elif ids is None and embeds is not None:
+        total, how = length + gen.max_length, f"{length} prompt embeddings + max_length={gen.max_length}"
+    else:
+        total, how = max(gen.max_length, length), f"max_length={gen.max_length}"
+    if total > ctx.max_seq_len:
+        raise ValueError(f"gemma4opt: {how} = {total} tokens exceeds Gemma4OptConfig.max_seq_len={ctx.max_seq_len}; "
+                         "raise max_seq_len (optimize again) or generate fewer tokens")

@@ -1,0 +1,74 @@
+"""The KV pool of one optimized model: which layers own KV, how many pages fit, and the tensors.
+
+Per attention kind (sliding / full) the pool holds pages of ``page_size`` tokens for every layer
+that owns KV (KV-shared layers read their producer's pages and own none), sized from free GPU
+memory or the config (``pool_pages``).
+"""
+from __future__ import annotations
+
+import torch
+
+CPU_KV_POOL_BYTES = 1 << 30      # the CPU pool's cap (the CPU paged path is a reference, not a server)
+
+
+def kv_producers(cfg) -> dict[int, int]:
+    """layer -> the layer whose KV it reads (itself, or for KV-shared layers the last owner of its type)."""
+    first_shared = cfg.num_hidden_layers - (cfg.num_kv_shared_layers or 0)
+    out = {}
+    for i, kind in enumerate(cfg.layer_types):
+        if i < first_shared:
+            out[i] = i
+        else:
+            out[i] = max(j for j in range(first_shared) if cfg.layer_types[j] == kind)
+    return out
+
+
+def free_device_memory(device) -> int | None:
+    """Bytes free on a CUDA device (None elsewhere: no cap, host memory is not sized here),
+    counting what PyTorch's caching allocator holds but does not use: it gives that back to CUDA
+    before an allocation fails (after an HF generate at batch 128 x 2048 tokens, 100+ GiB of it)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return torch.cuda.mem_get_info(device)[0] + cached
+
+
+def pool_pages(cfg, oc, dtype, free_bytes: int | None) -> int:
+    """Pages per attention kind: kv_pool_pages; else max_batch_size full-length sequences, capped at
+    kv_pool_fraction of ``free_bytes`` (GPU) or at CPU_KV_POOL_BYTES (``free_bytes`` None: CPU);
+    without a fraction, refused with the sizes when they cannot fit in 90 % of ``free_bytes``."""
+    if oc.kv_pool_pages:
+        return oc.kv_pool_pages
+    pages = oc.max_batch_size * (-(-oc.max_seq_len // oc.page_size) + 1)
+    elem = dtype.itemsize
+    page_bytes = sum(2 * oc.page_size * cfg.per_layer_config[layer].num_key_value_heads
+                     * cfg.per_layer_config[layer].head_dim * elem
+                     for layer, owner in kv_producers(cfg).items() if layer == owner)   # one page, every layer
+    if free_bytes is None:
+        return max(2, min(pages, CPU_KV_POOL_BYTES // page_bytes))
+    if oc.kv_pool_fraction is not None:
+        fit = int(oc.kv_pool_fraction * free_bytes // page_bytes)
+        if fit < 2:           # the padding row's page and at least one more
+            raise ValueError(f"Gemma4OptConfig.kv_pool_fraction={oc.kv_pool_fraction}: {fit} KV pages of "
+                             f"{page_bytes / 2**20:.1f} MiB fit in {free_bytes / 2**30:.1f} GiB free; raise it")
+        return min(pages, fit)
+    if pages * page_bytes > 0.9 * free_bytes:
+        raise ValueError(
+            f"gemma4opt: the paged KV pools for max_batch_size={oc.max_batch_size} sequences of max_seq_len="
+            f"{oc.max_seq_len} tokens need {pages * page_bytes / 2**30:.1f} GiB ({pages} pages of "
+            f"{page_bytes / 2**20:.1f} MiB over every layer), more than 90 % of the {free_bytes / 2**30:.1f} GiB "
+            "free; lower max_batch_size or max_seq_len, or set kv_pool_fraction (e.g. 0.8) or kv_pool_pages")
+    return pages
+
+
+def allocate_kv(cfg, n_pages: int, page_size: int, device, dtype) -> dict[int, torch.Tensor]:
+    """layer -> its pages ``[n_pages, 2, page_size, kv_heads, head_dim]`` (FlashInfer's NHD layout), for
+    the layers that own KV."""
+    kv = {}
+    for layer, owner in kv_producers(cfg).items():
+        if layer == owner:
+            lc = cfg.per_layer_config[layer]
+            kv[layer] = torch.zeros(n_pages, 2, page_size, lc.num_key_value_heads, lc.head_dim, device=device,
+                                    dtype=dtype)
+    return kv
