@@ -17,6 +17,7 @@ from gemma4opt.compiler.pass_manager import PassManager, PatternStats
 from gemma4opt.compiler.pattern import PassContext
 from gemma4opt.config import Gemma4OptConfig, choose_attention
 from gemma4opt.edits import InstanceEdits, own_configs
+from gemma4opt.ops.state import OpState, active
 from gemma4opt.patterns import build_patterns
 from gemma4opt.runtime.decode_graphs import mark_fixed
 from gemma4opt.runtime.paged_generate import (begin_paged_step, check_paged_supported, cut_logits, install_paged,
@@ -71,6 +72,7 @@ class OptimizationState:
     edits: InstanceEdits | None = None  # what optimize() changed on the instance, to take back
     hf_attn: str | None = None          # the model's own attention implementation (non-paged calls)
     hf_forward: object = None           # paged mode: calls without a paged cache (HF attention)
+    op_state: OpState = field(default_factory=OpState)  # this model's per-shape picks, experts (ops/state.py)
 
 
 def _check_model(model) -> torch.nn.Module:
@@ -293,6 +295,10 @@ def _make_forward(target, state: OptimizationState):
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
+        with active(state.op_state):    # the ops read this model's picks and experts modules
+            return _dispatch(*args, **kwargs)
+
+    def _dispatch(*args, **kwargs):
         ids = step_input(args, kwargs)
         if ids is not None and ids.dim() >= 2 and ids.shape[1] == 0:
             _no_tokens(ids)
@@ -333,7 +339,7 @@ def _call(state, original, args, kwargs, reason):
     """The HF mode's dispatch: HF's forward for unsupported features, else the compiled graph."""
     if reason is not None:
         if not state.fallbacks[reason]:
-            warnings.warn(f"gemma4opt: {reason}: this call runs HF's unfused forward", stacklevel=3)
+            warnings.warn(f"gemma4opt: {reason}: this call runs HF's unfused forward", stacklevel=4)
         state.fallbacks[reason] += 1
         return original(*args, **kwargs)
     state.compiled_calls += 1
