@@ -153,8 +153,8 @@ def cases(cfg, M):
         out.append(_qkv_case(cfg, kind, M, D, heads, cos, sin, wq))
     if M <= 256:
         logits = torch.randn(M, cfg.vocab_size, device="cuda", dtype=DT)
-        out.append(("softcap (lm_head epilogue)", lambda t, c: softcap_(t, c),
-                    lambda t, c: torch.tanh(t / c) * c, (logits, 30.0), _nbytes(logits, logits)))
+        out.append(("softcap (lm_head epilogue)", softcap_, lambda t, c: torch.tanh(t / c) * c, (logits, 30.0),
+                    _nbytes(logits, logits)))
     if M <= 32:     # decode: the lm_head GEMM with the softcap as its epilogue (ops/linear_softcap.py)
         h = torch.randn(M, H, device="cuda", dtype=DT)
         w_lm = torch.randn(cfg.vocab_size, H, device="cuda", dtype=DT) / H ** 0.5
@@ -171,21 +171,16 @@ def cases(cfg, M):
 
 
 def _sweeps():
-    """--sweep-X -> (which cases, the module whose LAUNCH_OVERRIDE is forced, the overrides)."""
-    from gemma4opt.kernels import gelu_tanh_mul as gm
-    from gemma4opt.kernels import moe_experts as me
-    from gemma4opt.kernels import rms_norm_rope as nr
-    from gemma4opt.kernels import softcap as sc
-
-    return {"norm_rope": (lambda n: "norm_rope" in n, nr,
+    """--sweep-X -> (which cases, the launches to force: each passed as the kernel's ``launch=``)."""
+    return {"norm_rope": (lambda n: "norm_rope" in n,
                           [dict(hb=hb, warps=w) for hb in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8)]),
-            "gelu": (lambda n: n == "gelu_tanh_mul", gm,
+            "gelu": (lambda n: n == "gelu_tanh_mul",
                      [dict(block=b, warps=w) for b in (256, 512, 1024, 2048, 4096) for w in (1, 2, 4, 8)]),
-            "moe": (lambda n: n.startswith("moe_experts"), me,
+            "moe": (lambda n: n.startswith("moe_experts"),
                     [dict(gu_n=n, gu_k=kk, gu_warps=w) for n in (4, 8, 16, 32) for kk in (256, 512) for w in (2, 4, 8)]
                     + [dict(dn_n=n, dn_k=kk, dn_warps=w) for n in (2, 4, 8, 16, 32) for kk in (256, 512)
                        for w in (2, 4, 8)]),
-            "softcap": (lambda n: n.startswith("softcap"), sc,
+            "softcap": (lambda n: n.startswith("softcap"),
                         [dict(block=b, warps=w) for b in (512, 1024, 2048, 4096, 8192) for w in (2, 4, 8, 16)])}
 
 
@@ -193,7 +188,7 @@ def sweep(args, kind):
     """Per case of the kind: the default launch's time, then the fastest override found, each
     replayed in a CUDA graph; the data for retuning the kernel's launch heuristic. Rows are written
     as JSON lines as they come (a sweep may outlast its time limit)."""
-    select, mod, grid = _sweeps()[kind]
+    select, grid = _sweeps()[kind]
     out = open(args.json, "w") if args.json else None
     for preset in args.presets:
         cfg = preset_config(preset)
@@ -204,14 +199,11 @@ def sweep(args, kind):
                 fn(*fargs)
                 timed = {"default": _graph_us(lambda: fn(*fargs), rep=30)}
                 for over in grid:
-                    mod.LAUNCH_OVERRIDE.update(over)
                     try:
-                        fn(*fargs)
-                        timed[tuple(over.items())] = _graph_us(lambda: fn(*fargs), rep=20)
+                        fn(*fargs, launch=over)
+                        timed[tuple(over.items())] = _graph_us(lambda: fn(*fargs, launch=over), rep=20)
                     except Exception as e:      # noqa: BLE001 - a launch the GPU refuses is skipped
                         print(f"# {name} {over}: {type(e).__name__}")
-                    finally:
-                        mod.LAUNCH_OVERRIDE.clear()
                 best = min((k for k in timed if k != "default"), key=timed.get)
                 row = dict(preset=preset, M=M, op=name, default_us=timed["default"], best=list(best),
                            best_us=timed[best], all={str(k): v for k, v in timed.items()})

@@ -19,6 +19,7 @@ from gemma4opt.compiler.pattern import PassContext
 from gemma4opt.config import Gemma4OptConfig, choose_attention
 from gemma4opt.edits import InstanceEdits, own_configs
 from gemma4opt.fixed_tensors import FixedTensors
+from gemma4opt.ops.state import OpState, active
 from gemma4opt.paged.forward import is_paged, paged_forward
 from gemma4opt.paged.install import check_paged_supported, install_paged
 from gemma4opt.paged.step import StepContext
@@ -68,6 +69,7 @@ class OptimizationState:
     # Runtime.
     context: StepContext | None = None           # the paged KV pool and step (attention="paged")
     fixed: FixedTensors = field(default_factory=FixedTensors)   # addresses decode graphs may bake
+    op_state: OpState = field(default_factory=OpState)          # per-shape picks, experts modules (ops/state.py)
     static_cache: tuple | None = None            # (key, cache) reused by generate (runtime/static_cache.py)
     graph_pool: object = None                    # CUDA graph memory pool shared by this model's decode graphs
     stop_check: str = "per step (HF)"            # how generate checks for the end (runtime/stop_check.py)
@@ -306,6 +308,10 @@ def _make_forward(target, state: OptimizationState):
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
+        with active(state.op_state):    # the ops read this model's picks and experts modules
+            return _dispatch(*args, **kwargs)
+
+    def _dispatch(*args, **kwargs):
         ids = step_input(args, kwargs)
         if ids is not None and ids.dim() >= 2 and ids.shape[1] == 0:
             _no_tokens(ids)
@@ -341,7 +347,7 @@ def _no_tokens(ids):
 def _hf_fallback(state, original, reason: str, args, kwargs):
     """HF's own forward for a feature the graph does not cover (warned once per reason, counted)."""
     if not state.fallbacks[reason]:
-        warnings.warn(f"gemma4opt: {reason}: this call runs HF's unfused forward", stacklevel=3)
+        warnings.warn(f"gemma4opt: {reason}: this call runs HF's unfused forward", stacklevel=4)
     state.fallbacks[reason] += 1
     return original(*args, **kwargs)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gemma4opt.api import get_state
+from gemma4opt.ops.state import OpState
 from gemma4opt.patterns.paged_qkv import ATTENTION_OPS
 
 
@@ -36,8 +37,8 @@ class Report:
     graph_warmups: int = 0      # steps that preceded them (a new graph or a new cache)
     stop_check: str = "per step (HF)"
     graph_key_changes: dict[str, int] = field(default_factory=dict)
-    decode_gemms: str = ""      # gemma4opt.linear's picks so far (this process)
-    decode_experts: str = ""    # gemma4opt.moe_experts' picks so far (this process)
+    decode_gemms: str = ""      # gemma4opt.linear's picks so far (this model's)
+    decode_experts: str = ""    # gemma4opt.moe_experts' picks so far (this model's)
     mode: str = ""              # which attention mode runs, and why (attention="auto" says)
     cuda_graphs: bool = True    # decode as CUDA graphs (off on CPU: no graph counts to show)
 
@@ -99,12 +100,13 @@ def build_report(model) -> Report:
                      f"held{last}; last graph: {calls}/{state.text_config.num_hidden_layers} layers call a paged "
                      f"attention op); backends: {ctx.describe_backends()}")
     device = _device_type(model)
+    moe = state.stats.get("moe_experts")
     return Report(state.model_class, state.scope, state.disabled_reason, state.graphs_compiled,
                   state.compiled_calls, state.graphed_calls, dict(state.fallbacks), rows, attention,
                   state.graph_captures, state.graph_warmups, state.stop_check, dict(state.graph_key_changes),
-                  _decode_gemms(device) if "decode_linear" in state.stats else "",
-                  _decode_experts(device) if state.stats.get("moe_experts") and state.stats["moe_experts"].expected
-                  else "", state.mode_reason, bool(state.config.cuda_graphs))
+                  _decode_gemms(device, state.op_state) if "decode_linear" in state.stats else "",
+                  _decode_experts(device, state.op_state) if moe and moe.expected else "",
+                  state.mode_reason, bool(state.config.cuda_graphs))
 
 
 def format_bytes(n: float) -> str:
@@ -125,15 +127,15 @@ def _device_type(model) -> str:
     return param.device.type if param is not None else "cpu"
 
 
-def _picks_line(op, kernel: str, other: str, unit: str, untimed: str) -> str:
-    """One report line for an op that picks per shape (ops/pick.py): how many shapes run the
-    Triton ``kernel`` and how many ``other``, by the shape's first entry (``unit``)."""
-    got = op.picks()
+def _picks_line(op, op_state: OpState, kernel: str, other: str, unit: str, untimed: str) -> str:
+    """One report line for an op that picks per shape (ops/pick.py), from a model's ``op_state``:
+    how many shapes run the Triton ``kernel`` and how many ``other``, by the shape's first entry (``unit``)."""
+    got = op.picks(op_state)
     if not got:
         return untimed
     text = (f"{kernel} on {sum(got.values())} of {len(got)} shapes timed ({unit} {sorted({k[0] for k in got})}), "
             f"{other} on the rest")
-    failed = op.failures()
+    failed = op.failures(op_state)
     if failed:
         text += f"; it failed on {len(failed)} shapes ({other} there): {next(iter(failed.values()))}"
     return text
@@ -144,29 +146,31 @@ def _reference_line(device: str, what: str, picks: str) -> str:
     return f"reference ops ({device.upper()}): {what}; per-shape {picks} picks apply on CUDA only"
 
 
-def _decode_gemms(device: str) -> str:
-    """The report line for ``gemma4opt.linear`` (and ``linear_softcap``) on a model on ``device``."""
+def _decode_gemms(device: str, op_state: OpState) -> str:
+    """The report line for ``gemma4opt.linear`` (and ``linear_softcap``) on a model on ``device``
+    whose picks are ``op_state``'s."""
     from gemma4opt.ops import linear
 
     from gemma4opt.ops import linear_softcap
 
     if device != "cuda":        # the ops' CPU/meta kernels: F.linear (then tanh * cap), never timed
         return _reference_line(device, "F.linear (lm_head: F.linear then the softcap in torch)", "GEMM")
-    text = _picks_line(linear, "the skinny Triton GEMM", "cuBLAS", "rows",
+    text = _picks_line(linear, op_state, "the skinny Triton GEMM", "cuBLAS", "rows",
                        "no shape of <= 32 rows timed yet (cuBLAS until one is)")
-    if linear_softcap.picks():
-        text += "; lm_head + softcap: " + _picks_line(linear_softcap, "the skinny GEMM with the softcap epilogue",
+    if linear_softcap.picks(op_state):
+        text += "; lm_head + softcap: " + _picks_line(linear_softcap, op_state,
+                                                       "the skinny GEMM with the softcap epilogue",
                                                        "cuBLAS + the softcap kernel", "rows", "")
     return text
 
 
-def _decode_experts(device: str) -> str:
-    """The report line for ``gemma4opt.moe_experts`` on a model on ``device``."""
+def _decode_experts(device: str, op_state: OpState) -> str:
+    """The report line for ``gemma4opt.moe_experts`` on a model on ``device`` whose picks are ``op_state``'s."""
     from gemma4opt.ops import moe_experts
 
     if device != "cuda":        # the op's non-CUDA kernel calls the model's own experts module
         return _reference_line(device, "HF's experts path", "decode-kernel")
-    return _picks_line(moe_experts, "gemma4opt's decode kernels", "HF's experts path", "tokens",
+    return _picks_line(moe_experts, op_state, "gemma4opt's decode kernels", "HF's experts path", "tokens",
                        "no decode shape timed yet (HF's experts path until one is)")
 
 

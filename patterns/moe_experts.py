@@ -19,11 +19,12 @@ Fused::
 
     out = gemma4opt.moe_experts(x, top_k_index, top_k_weights, gate_up_proj, down_proj, key)
 
-``key`` finds the experts module again: the op runs that module (HF's own path) everywhere but
-CUDA decode, where each shape runs whichever of gemma4opt's two decode kernels and HF's path
-timed faster (ops/moe_experts.py). One match per MoE layer. Left unfused, with the reason, when
-the experts are not the concatenated [gate; up], untransposed, bias-free, gelu-tanh layout the
-kernels read, or the region is neither of HF's paths above (e.g. the eager per-expert loop).
+``key`` finds the experts module again, in the model's OpState (ops/state.py): the op runs that
+module (HF's own path) everywhere but CUDA decode, where each shape runs whichever of gemma4opt's
+two decode kernels and HF's path timed faster (ops/moe_experts.py). One match per MoE layer. Left
+unfused, with the reason, when the experts are not the concatenated [gate; up], untransposed,
+bias-free, gelu-tanh layout the kernels read, or the region is neither of HF's paths above (e.g.
+the eager per-expert loop).
 """
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ class MoeExpertsPattern(Pattern):
             if m is None:
                 res.unfused.append(f"{region.path}: {why}")
                 continue
+            # Registered on the active OpState: the backend runs this pass inside the optimized
+            # model's forward call, whose state the op reads when the graph runs (ops/state.py).
             replace_output(gm.graph, m["out"], torch.ops.gemma4opt.moe_experts.default,
                            (*m["args"], register_experts(experts)))
             erase_region(gm.graph, region.nodes, keep_used=True)

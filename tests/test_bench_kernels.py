@@ -1,6 +1,8 @@
-"""The kernel benchmark's baselines are the subgraphs they claim to be (checked on CPU)."""
+"""The kernel benchmark's baselines are the subgraphs they claim to be, and its sweeps force the
+launches they list (checked on CPU)."""
 import importlib.util
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -35,3 +37,25 @@ def test_moe_baseline_is_hfs_batched_mm_path():
         torch.testing.assert_close(got, moe_experts_reference(x, idx, w, experts.gate_up_proj, experts.down_proj),
                                    rtol=1e-5, atol=1e-5)
         assert got.abs().mean() > 1e-3
+
+
+def test_sweep_passes_each_launch_to_the_kernel(monkeypatch):
+    """--sweep times the kernel's own launch (no ``launch``), then each of the grid's as ``launch=``."""
+    bench = _bench()
+    seen = []
+
+    def kernel(x, launch=None):
+        seen.append(launch)
+        return x
+
+    def graph_us(fn, rep):
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(bench, "cases", lambda cfg, M: [("gelu_tanh_mul", kernel, None, (torch.zeros(1),), 0),
+                                                        ("rms_norm", kernel, None, (torch.zeros(1),), 0)])
+    monkeypatch.setattr(bench, "_graph_us", graph_us)
+    bench.sweep(SimpleNamespace(presets=["tiny"], m=[1], json=None), "gelu")
+    grid = bench._sweeps()["gelu"][1]
+    # each launch run once as a warm-up, once timed; the case the sweep does not select never runs
+    assert seen == [None, None] + [over for over in grid for _ in range(2)]

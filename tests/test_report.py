@@ -2,7 +2,8 @@
 import pytest
 
 import gemma4opt
-from gemma4opt.ops import linear, linear_softcap, moe_experts
+from gemma4opt.api import get_state
+from gemma4opt.ops.state import OpState
 from gemma4opt.report import _decode_experts, _decode_gemms, format_bytes
 from tests.models import tiny
 
@@ -16,20 +17,20 @@ def test_format_bytes_picks_the_unit_by_size(n, text):
     assert format_bytes(n) == text
 
 
-@pytest.fixture
-def cuda_picks(monkeypatch):
-    """Picks as a CUDA model in the same process would have left them (the picks are per process)."""
-    monkeypatch.setattr(linear.SHAPES, "chosen", {(1, 8, 4, None, 0): True, (8, 8, 4, None, 0): False})
-    monkeypatch.setattr(linear_softcap.SHAPES, "chosen", {(1, 128, 64, None, 0): True})
-    monkeypatch.setattr(moe_experts.SHAPES, "chosen", {(1, 8, 128, 1408, 2816, None, 0): True})
+def _seed_cuda_picks(state: OpState) -> OpState:
+    """Picks as a model's CUDA decode steps would have left them in its op state."""
+    state.shapes["linear"].chosen.update({(1, 8, 4, None, 0): True, (8, 8, 4, None, 0): False})
+    state.shapes["linear_softcap"].chosen.update({(1, 128, 64, None, 0): True})
+    state.shapes["moe_experts"].chosen.update({(1, 8, 128, 1408, 2816, None, 0): True})
+    return state
 
 
 @pytest.mark.parametrize("variant", ["tiny", "tiny-moe"])
 @pytest.mark.parametrize("picks", [False, True])
-def test_cpu_report_names_the_reference_ops_not_cublas_or_timings(variant, picks, request):
-    if picks:
-        request.getfixturevalue("cuda_picks")
+def test_cpu_report_names_the_reference_ops_not_cublas_or_timings(variant, picks):
     model = gemma4opt.optimize(tiny(variant))
+    if picks:
+        _seed_cuda_picks(get_state(model).op_state)
     rep = gemma4opt.report(model, print_table=False)
     assert rep.decode_gemms.startswith("reference ops (CPU): F.linear")
     assert "per-shape GEMM picks apply on CUDA only" in rep.decode_gemms
@@ -42,8 +43,9 @@ def test_cpu_report_names_the_reference_ops_not_cublas_or_timings(variant, picks
         assert word not in text, text
 
 
-def test_cuda_wording_is_kept(cuda_picks):
-    assert _decode_gemms("cuda").startswith("the skinny Triton GEMM on 1 of 2 shapes timed (rows [1, 8]), "
-                                            "cuBLAS on the rest")
-    assert _decode_experts("cuda").startswith("gemma4opt's decode kernels on 1 of 1 shapes timed")
-    assert _decode_gemms("meta").startswith("reference ops (META)")
+def test_cuda_wording_is_kept():
+    state = _seed_cuda_picks(OpState())
+    assert _decode_gemms("cuda", state).startswith("the skinny Triton GEMM on 1 of 2 shapes timed (rows [1, 8]), "
+                                                   "cuBLAS on the rest")
+    assert _decode_experts("cuda", state).startswith("gemma4opt's decode kernels on 1 of 1 shapes timed")
+    assert _decode_gemms("meta", state).startswith("reference ops (META)")

@@ -10,18 +10,15 @@ from gemma4opt.kernels._util import pdl_flags, pdl_prologue
 _BLOCK = 1024
 
 
-# (BLOCK, num_warps) forced by ``benchmarks/bench_kernels.py --sweep gelu``, which times the
-# alternatives to _block.
-LAUNCH_OVERRIDE: dict = {}
-
-
-def _block(n: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) for n = rows x D outputs. From ``--sweep gelu`` on an H200 (31b, e4b,
-    26b-a4b at 1-8192 rows, PDL launches): 512 on 4 warps up to 1M outputs (decode: 0.80-0.91 us at
-    one row against 0.88-1.08 for 1024 on 4), 1024 on 4 to 4M, 1024 on 2 beyond (prefill: 255 us
-    against 265 on the 31b at 8192 rows). Each setting was 1.5-2x slower outside its range."""
-    if LAUNCH_OVERRIDE:
-        return LAUNCH_OVERRIDE["block"], LAUNCH_OVERRIDE["warps"]
+def _block(n: int, launch: dict | None = None) -> tuple[int, int]:
+    """(BLOCK, num_warps) for n = rows x D outputs: ``launch``'s ``block`` and ``warps`` where given
+    (``benchmarks/bench_kernels.py --sweep gelu`` times the alternatives to the rule below). From
+    that sweep on an H200 (31b, e4b, 26b-a4b at 1-8192 rows, PDL launches): 512 on 4 warps up to 1M
+    outputs (decode: 0.80-0.91 us at one row against 0.88-1.08 for 1024 on 4), 1024 on 4 to 4M, 1024
+    on 2 beyond (prefill: 255 us against 265 on the 31b at 8192 rows). Each setting was 1.5-2x
+    slower outside its range."""
+    if launch:
+        return launch["block"], launch["warps"]
     if n <= 1 << 20:
         return 512, 4
     return (1024, 4) if n <= 1 << 22 else (1024, 2)
@@ -61,13 +58,14 @@ def _gelu_tanh_mul_kernel(G, U, O, sg, su, so, D, N, BLOCK: tl.constexpr, FLAT: 
     tl.store(O + row * so + cols, (act * u).to(dt), mask=mask)
 
 
-def gelu_tanh_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def gelu_tanh_mul_triton(gate: torch.Tensor, up: torch.Tensor, launch: dict | None = None) -> torch.Tensor:
+    """gelu_tanh(gate) * up; ``launch`` = dict(block=, warps=) forces the launch (see _block)."""
     D = gate.shape[-1]
     g2 = gate.reshape(-1, D) if gate.stride(-1) == 1 else gate.contiguous().reshape(-1, D)
     u2 = up.reshape(-1, D) if up.stride(-1) == 1 else up.contiguous().reshape(-1, D)
     out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
     if out.numel():
-        block, warps = _block(out.numel())
+        block, warps = _block(out.numel(), launch)
         # Rows that are not a whole number of blocks (the 26b-a4b's 2112 columns: 1024-blocks leave
         # 31 % of the lanes masked; 0.76x Inductor at 8192 rows, whose kernel is flat) go flat.
         flat = D % block != 0

@@ -91,14 +91,14 @@ def _block_k(K: int, most: int) -> int:
 
 
 # Tiles of the two kernels: rows of W per program, the longest K tile (cut to pad K by <= ~10 %),
-# warps. ``benchmarks/bench_kernels.py --sweep moe`` times the alternatives (LAUNCH_OVERRIDE).
+# warps. ``benchmarks/bench_kernels.py --sweep moe`` times the alternatives (moe_experts_triton's launch).
 TILES = dict(gu_n=8, gu_k=512, gu_warps=4, dn_n=4, dn_k=512, dn_warps=4)
-LAUNCH_OVERRIDE: dict = {}
 
 
 def moe_experts_triton(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                       gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """x [T, H], top_k_index / top_k_weights [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H]."""
+                       gate_up: torch.Tensor, down: torch.Tensor, launch: dict | None = None) -> torch.Tensor:
+    """x [T, H], top_k_index / top_k_weights [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H].
+    ``launch``: entries of TILES to use instead of TILES' own (the others stay)."""
     T, H = x.shape
     k = top_k_index.shape[-1]
     E, two_i, _ = gate_up.shape
@@ -116,7 +116,7 @@ def moe_experts_triton(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     if T == 0:
         return out
     act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
-    t = {**TILES, **LAUNCH_OVERRIDE}
+    t = {**TILES, **(launch or {})}
     _gate_up_kernel[(T * k, triton.cdiv(I, t["gu_n"]))](
         x, idx, gate_up, act, H, I, x.stride(0), gate_up.stride(0), gate_up.stride(1),
         TOPK=k, BLOCK_N=t["gu_n"], BLOCK_K=_block_k(H, t["gu_k"]), COMPILED=_COMPILED, num_warps=t["gu_warps"],

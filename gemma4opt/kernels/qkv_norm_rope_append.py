@@ -55,8 +55,10 @@ def _qkv_norm_rope_append_kernel(
         tl.store(dst + s_kv + HALF, (v2 * inv[:, None]).to(dt).to(kvt), mask=mask)
 
 
-def qkv_norm_rope_append_triton(kv, q, q_weight, k, k_weight, v, cos, sin, eps, slot_mapping, token_index):
-    """kv [pages, 2, page_size, kv_heads, D]; q/k/v [B, S, heads, D] (unit stride on D or copied)."""
+def qkv_norm_rope_append_triton(kv, q, q_weight, k, k_weight, v, cos, sin, eps, slot_mapping, token_index,
+                                launch: dict | None = None):
+    """kv [pages, 2, page_size, kv_heads, D]; q/k/v [B, S, heads, D] (unit stride on D or copied).
+    ``launch`` = dict(hb=, warps=) forces the launch (rms_norm_rope.head_block)."""
     B, S, HQ, D = q.shape
     HK = k.shape[2]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -65,7 +67,7 @@ def qkv_norm_rope_append_triton(kv, q, q_weight, k, k_weight, v, cos, sin, eps, 
     n = token_index.shape[0]
     if B * S == 0:
         return out
-    hb, block, warps = head_block(B * S + n, max(HQ, HK), D // 2)
+    hb, block, warps = head_block(B * S + n, max(HQ, HK), D // 2, launch)
     qblocks, kblocks = triton.cdiv(HQ, hb), triton.cdiv(HK, hb)
     nq = B * S * qblocks
     _qkv_norm_rope_append_kernel[(nq + n * kblocks,)](

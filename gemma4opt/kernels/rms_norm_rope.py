@@ -63,20 +63,17 @@ def _rms_norm_rope_kernel(X, W, C, Sn, O, H, S, sxb, sxs, sxh, scb, scs, ssb, ss
                     heads, cols, heads < H, cols < HALF, HALF, D, eps)
 
 
-# (heads per program, warps) forced by ``benchmarks/bench_kernels.py --sweep-norm-rope``, which
-# times the alternatives to the heuristic below.
-LAUNCH_OVERRIDE: dict = {}
-
-
-def head_block(tokens: int, heads: int, half: int) -> tuple[int, int, int]:
-    """(heads per program, BLOCK, num_warps): one warp, ~1k elements of a head group per program,
-    fewer heads per program until there are 512+ programs. From the sweep on an H200 (31b, head_dim
-    256 and 512, 1-8192 tokens): one warp won 15 of 16 cases, by 1.2-1.7x over the old 2-8 warps at
-    32+ tokens (head_dim 512's q/k/v prep at 8192 tokens: 312 -> 182 us), with 1-2 heads per
-    program at 1-32 tokens and 2-8 at 256+."""
+def head_block(tokens: int, heads: int, half: int, launch: dict | None = None) -> tuple[int, int, int]:
+    """(heads per program, BLOCK, num_warps): ``launch``'s ``hb`` (capped at the heads) and ``warps``
+    where given (``benchmarks/bench_kernels.py --sweep-norm-rope`` times the alternatives to the rule
+    below), else one warp, ~1k elements of a head group per program, fewer heads per program until
+    there are 512+ programs. From the sweep on an H200 (31b, head_dim 256 and 512, 1-8192 tokens):
+    one warp won 15 of 16 cases, by 1.2-1.7x over the old 2-8 warps at 32+ tokens (head_dim 512's
+    q/k/v prep at 8192 tokens: 312 -> 182 us), with 1-2 heads per program at 1-32 tokens and 2-8
+    at 256+."""
     block = triton.next_power_of_2(half)
-    if LAUNCH_OVERRIDE:
-        return min(triton.next_power_of_2(heads), LAUNCH_OVERRIDE["hb"]), block, LAUNCH_OVERRIDE["warps"]
+    if launch:
+        return min(triton.next_power_of_2(heads), launch["hb"]), block, launch["warps"]
     hb = min(triton.next_power_of_2(heads), max(1, 512 // block))
     while hb > 1 and tokens * triton.cdiv(heads, hb) < 512:
         hb //= 2
@@ -88,14 +85,15 @@ def expand_cos_sin(cos, sin, B, S, D):
     return (cos if cos.stride(-1) == 1 else cos.contiguous()), (sin if sin.stride(-1) == 1 else sin.contiguous())
 
 
-def rms_norm_rope_triton(x, weight, cos, sin, eps):
+def rms_norm_rope_triton(x, weight, cos, sin, eps, launch: dict | None = None):
+    """``launch`` = dict(hb=, warps=) forces the launch (see head_block)."""
     B, S, H, D = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
     cos, sin = expand_cos_sin(cos, sin, B, S, D)
     out = torch.empty((B, S, H, D), dtype=x.dtype, device=x.device)
     if out.numel():
-        hb, block, warps = head_block(B * S, H, D // 2)
+        hb, block, warps = head_block(B * S, H, D // 2, launch)
         _rms_norm_rope_kernel[(B * S, triton.cdiv(H, hb))](
             x, weight, cos, sin, out, H, S, x.stride(0), x.stride(1), x.stride(2),
             cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), D, D // 2, eps,

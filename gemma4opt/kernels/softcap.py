@@ -9,8 +9,6 @@ from gemma4opt.kernels._util import pdl_flags, pdl_prologue
 from gemma4opt.kernels.gelu_tanh_mul import _tanh
 
 _BLOCK = 2048
-# (BLOCK, num_warps) forced by ``benchmarks/bench_kernels.py --sweep softcap``.
-LAUNCH_OVERRIDE: dict = {}
 
 
 @triton.jit
@@ -31,14 +29,15 @@ def _softcap_kernel(X, N, cap, BLOCK: tl.constexpr, PDL: tl.constexpr):
     tl.store(X + offs, softcap_rounded(x, dt, cap), mask=mask)
 
 
-def softcap_(x: torch.Tensor, cap: float) -> torch.Tensor:
-    """In place on a contiguous tensor (the fresh GEMM output)."""
+def softcap_(x: torch.Tensor, cap: float, launch: dict | None = None) -> torch.Tensor:
+    """In place on a contiguous tensor (the fresh GEMM output). ``launch`` = dict(block=, warps=)
+    forces the launch (``benchmarks/bench_kernels.py --sweep softcap`` times the alternatives)."""
     assert x.is_contiguous()
     n = x.numel()
     if n:
         # ``--sweep softcap`` on an H200: 2048 on 4 warps best at 32 and 256 rows of a 262144 vocabulary;
         # at one row 512 on 8 (1.15 us against 1.28: four times the programs for one row's logits).
-        block, warps = (LAUNCH_OVERRIDE["block"], LAUNCH_OVERRIDE["warps"]) if LAUNCH_OVERRIDE else \
+        block, warps = (launch["block"], launch["warps"]) if launch else \
             (512, 8) if n <= 1 << 18 else (_BLOCK, 4)
         _softcap_kernel[(triton.cdiv(n, block),)](x, n, cap, BLOCK=block, num_warps=warps, **pdl_flags(x))
     return x

@@ -16,14 +16,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gemma4opt.ops.pick import ShapePicks, bench_cold, check_close
+from gemma4opt.ops.pick import bench_cold, check_close
+from gemma4opt.ops.state import OpState, picks_for
 
 MAX_ROWS = 32
-MARGIN = 0.98          # Triton must be at least 2 % faster to be picked
-# (rows, N, K, dtype, device index) -> the Triton GEMM. A Triton GEMM that fails to compile or run
-# (an unexpected GPU, say) leaves that shape on cuBLAS, and the report says why.
-SHAPES = ShapePicks(MARGIN)
-pick_triton, picks, failures = SHAPES.pick, SHAPES.picks, SHAPES.failures
+
+
+# Picks: (rows, N, K, dtype, device index) -> the Triton GEMM, kept per optimized model
+# (ops/state.py). A Triton GEMM that fails to compile or run (an unexpected GPU, say) leaves that
+# shape on cuBLAS, and the report says why.
+def picks(state: OpState | None = None) -> dict[tuple, bool]:
+    """The shapes timed so far in ``state`` (default: the active one) and whether each runs Triton."""
+    return picks_for("linear", state).picks()
+
+
+def failures(state: OpState | None = None) -> dict[tuple, str]:
+    """The shapes whose Triton GEMM raised when timed in ``state`` (default: the active one), with why."""
+    return picks_for("linear", state).failures()
 
 
 @torch.library.custom_op("gemma4opt::linear", mutates_args=())
@@ -43,13 +52,20 @@ def _time_both(x, weight) -> tuple[float, float]:
     return bench_cold(lambda: skinny_linear_triton(x, weight)), bench_cold(lambda: F.linear(x, weight))
 
 
+def runs_triton(x, weight) -> bool:
+    """Whether this CUDA call runs the skinny Triton GEMM: decode rows, unit-stride weight rows,
+    and a shape the active model's picks give to Triton (timed now if new)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if not (0 < rows <= MAX_ROWS and weight.stride(-1) == 1):
+        return False
+    key = (rows, weight.shape[0], weight.shape[1], x.dtype, x.device.index)
+    return picks_for("linear").pick(key, lambda: _time_both(x, weight))
+
+
 @linear.register_kernel("cuda")
 def _(x, weight):
-    rows = x.numel() // max(x.shape[-1], 1)
-    if 0 < rows <= MAX_ROWS and weight.stride(-1) == 1:
-        key = (rows, weight.shape[0], weight.shape[1], x.dtype, x.device.index)
-        if pick_triton(key, lambda: _time_both(x, weight)):
-            from gemma4opt.kernels.skinny_linear import skinny_linear_triton
+    if runs_triton(x, weight):
+        from gemma4opt.kernels.skinny_linear import skinny_linear_triton
 
-            return skinny_linear_triton(x, weight)
+        return skinny_linear_triton(x, weight)
     return F.linear(x, weight)

@@ -12,12 +12,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gemma4opt.ops.pick import ShapePicks, bench_cold, check_close
+from gemma4opt.ops.pick import bench_cold, check_close
+from gemma4opt.ops.state import OpState, picks_for
 
 MAX_ROWS = 32
-MARGIN = 0.98
-SHAPES = ShapePicks(MARGIN)         # (rows, N, K, dtype, device index) -> the Triton GEMM + epilogue
-picks, failures = SHAPES.picks, SHAPES.failures
+
+
+# Picks: (rows, N, K, dtype, device index) -> the Triton GEMM + epilogue, per optimized model (ops/state.py).
+def picks(state: OpState | None = None) -> dict[tuple, bool]:
+    """The shapes timed so far in ``state`` (default: the active one) and whether each runs Triton."""
+    return picks_for("linear_softcap", state).picks()
+
+
+def failures(state: OpState | None = None) -> dict[tuple, str]:
+    """The shapes whose Triton GEMM raised when timed in ``state`` (default: the active one), with why."""
+    return picks_for("linear_softcap", state).failures()
 
 
 @torch.library.custom_op("gemma4opt::linear_softcap", mutates_args=())
@@ -49,13 +58,20 @@ def _time_both(x, weight, cap) -> tuple[float, float]:
             bench_cold(lambda: _cublas_softcap(x, weight, cap)))
 
 
+def runs_triton(x, weight, cap) -> bool:
+    """Whether this CUDA call runs the skinny GEMM with the softcap epilogue: decode rows,
+    unit-stride weight rows, and a shape the active model's picks give to Triton (timed now if new)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if not (0 < rows <= MAX_ROWS and weight.stride(-1) == 1):
+        return False
+    key = (rows, weight.shape[0], weight.shape[1], x.dtype, x.device.index)
+    return picks_for("linear_softcap").pick(key, lambda: _time_both(x, weight, cap))
+
+
 @linear_softcap.register_kernel("cuda")
 def _(x, weight, cap):
-    rows = x.numel() // max(x.shape[-1], 1)
-    if 0 < rows <= MAX_ROWS and weight.stride(-1) == 1:
-        key = (rows, weight.shape[0], weight.shape[1], x.dtype, x.device.index)
-        if SHAPES.pick(key, lambda: _time_both(x, weight, cap)):
-            from gemma4opt.kernels.skinny_linear import skinny_linear_triton
+    if runs_triton(x, weight, cap):
+        from gemma4opt.kernels.skinny_linear import skinny_linear_triton
 
-            return skinny_linear_triton(x, weight, cap=cap)
+        return skinny_linear_triton(x, weight, cap=cap)
     return _cublas_softcap(x, weight, cap)

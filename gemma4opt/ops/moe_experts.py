@@ -6,35 +6,42 @@ grouped GEMMs by default), so prefill and CPU results are exactly HF's. On CUDA 
 (kernels/moe_experts.py) and HF's path timed faster on its first call, outside graph capture, and
 only if its output matched HF's there (ops/pick.py; the same rule as ``gemma4opt.linear``).
 
-The module is found through ``module_key`` (a registry of weak references): a custom op takes
-tensors and numbers, not modules, and the weights are passed as tensors too so the graph shows
-what the op reads.
+The module is found through ``module_key`` in the calling model's OpState (ops/state.py; weak
+references): a custom op takes tensors and numbers, not modules, and the weights are passed as
+tensors too so the graph shows what the op reads.
 """
 from __future__ import annotations
-
-import weakref
 
 import torch
 import torch.nn.functional as F
 
-from gemma4opt.ops.pick import ShapePicks, bench_cold, check_close
-
-MARGIN = 0.98
-_MODULES: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
-SHAPES = ShapePicks(MARGIN)         # (tokens, k, experts, 2I, H, dtype, device index) -> the Triton path
-picks, failures = SHAPES.picks, SHAPES.failures
+from gemma4opt.ops.pick import bench_cold, check_close
+from gemma4opt.ops.state import OpState, current, picks_for
 
 
-def register_experts(module: torch.nn.Module) -> int:
-    """The key ``gemma4opt.moe_experts`` finds this experts module by (kept weakly)."""
-    _MODULES[id(module)] = module
+# Picks: (tokens, k, experts, 2I, H, dtype, device index) -> the Triton path, per optimized model.
+def picks(state: OpState | None = None) -> dict[tuple, bool]:
+    """The shapes timed so far in ``state`` (default: the active one) and whether each runs Triton."""
+    return picks_for("moe_experts", state).picks()
+
+
+def failures(state: OpState | None = None) -> dict[tuple, str]:
+    """The shapes whose decode kernels raised when timed in ``state`` (default: the active one), with why."""
+    return picks_for("moe_experts", state).failures()
+
+
+def register_experts(module: torch.nn.Module, state: OpState | None = None) -> int:
+    """The key ``gemma4opt.moe_experts`` finds this experts module by in ``state`` (default: the
+    active one, the model's own while its forward compiles), kept weakly."""
+    (state if state is not None else current()).experts[id(module)] = module
     return id(module)
 
 
 def _module(key: int) -> torch.nn.Module:
-    m = _MODULES.get(key)
+    m = current().experts.get(key)
     if m is None:
-        raise RuntimeError("gemma4opt.moe_experts: its experts module is gone (the model was freed?)")
+        raise RuntimeError("gemma4opt.moe_experts: its experts module is not in the running model's op state "
+                           "(the model was freed, or the op ran outside the model's forward?)")
     return m
 
 
@@ -73,15 +80,23 @@ def _time_both(x, idx, w, gate_up, down, module) -> tuple[float, float]:
             bench_cold(lambda: module(x, idx, w)))
 
 
-@moe_experts.register_kernel("cuda")
-def _(x, top_k_index, top_k_weights, gate_up, down, module_key):
+def runs_triton(x, top_k_index, top_k_weights, gate_up, down, module) -> bool:
+    """Whether this CUDA call runs gemma4opt's decode kernels: a decode step's pairs, unit-stride
+    expert rows, and a shape the active model's picks give to the kernels (timed now if new)."""
     from gemma4opt.kernels.moe_experts import MAX_PAIRS
 
-    module = _module(module_key)
-    if x.dim() == 2 and 0 < top_k_index.numel() <= MAX_PAIRS and gate_up.stride(-1) == 1 and down.stride(-1) == 1:
-        key = (x.shape[0], top_k_index.shape[-1], *gate_up.shape[:2], x.shape[1], x.dtype, x.device.index)
-        if SHAPES.pick(key, lambda: _time_both(x, top_k_index, top_k_weights, gate_up, down, module)):
-            from gemma4opt.kernels.moe_experts import moe_experts_triton
+    if not (x.dim() == 2 and 0 < top_k_index.numel() <= MAX_PAIRS and gate_up.stride(-1) == 1
+            and down.stride(-1) == 1):
+        return False
+    key = (x.shape[0], top_k_index.shape[-1], *gate_up.shape[:2], x.shape[1], x.dtype, x.device.index)
+    return picks_for("moe_experts").pick(key, lambda: _time_both(x, top_k_index, top_k_weights, gate_up, down, module))
 
-            return moe_experts_triton(x, top_k_index, top_k_weights, gate_up, down)
+
+@moe_experts.register_kernel("cuda")
+def _(x, top_k_index, top_k_weights, gate_up, down, module_key):
+    module = _module(module_key)
+    if runs_triton(x, top_k_index, top_k_weights, gate_up, down, module):
+        from gemma4opt.kernels.moe_experts import moe_experts_triton
+
+        return moe_experts_triton(x, top_k_index, top_k_weights, gate_up, down)
     return module(x, top_k_index, top_k_weights)

@@ -3,6 +3,8 @@
 Used where neither side wins everywhere (``gemma4opt.linear`` and ``gemma4opt.linear_softcap``
 against cuBLAS, ``gemma4opt.moe_experts`` against HF's experts path): the first call of a shape times both, outside any CUDA graph
 capture (decode graphs warm up eagerly first), after checking that the Triton result matches.
+Each optimized model keeps its own picks (ops/state.py): the same shape may pick differently on
+another model's weights, and the report shows the model's own.
 """
 from __future__ import annotations
 

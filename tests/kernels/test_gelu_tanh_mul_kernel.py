@@ -36,10 +36,7 @@ def test_launch_override_is_used_and_matches():
     g, u = gu[:, :2112], gu[:, 2112:]           # strided halves of one merged output, as in the model
     want = gelu_tanh_mul_reference(g, u)
     for block, warps in ((256, 2), (512, 4), (64, 1), (2048, 4)):   # 2112 % 64 == 0: the per-row grid
-        try:
-            gm.LAUNCH_OVERRIDE.update(block=block, warps=warps)
-            assert gm._block(3 * 2112) == (block, warps)
-            torch.testing.assert_close(gelu_tanh_mul_triton(g, u), want, rtol=1e-5, atol=1e-5)
-        finally:
-            gm.LAUNCH_OVERRIDE.clear()
+        launch = dict(block=block, warps=warps)
+        assert gm._block(3 * 2112, launch) == (block, warps)
+        torch.testing.assert_close(gelu_tanh_mul_triton(g, u, launch=launch), want, rtol=1e-5, atol=1e-5)
     assert gm._block(1) == (512, 4) and gm._block(8192 * 21504) == (1024, 2)

@@ -18,27 +18,23 @@ def _case(T, k, E, I, H, dtype, seed):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,k,E,I,H", [(1, 2, 5, 24, 40), (3, 4, 6, 17, 33), (8, 8, 9, 12, 70)])
-def test_matches_reference(monkeypatch, dtype, T, k, E, I, H):
+def test_matches_reference(dtype, T, k, E, I, H):
     """Odd widths (not multiples of the tiles), several tokens sharing experts, fp32 routing weights."""
-    import gemma4opt.kernels.moe_experts as moe
-
-    monkeypatch.setattr(moe, "LAUNCH_OVERRIDE", dict(gu_n=8, gu_k=16, dn_n=4, dn_k=16))
+    launch = dict(gu_n=8, gu_k=16, dn_n=4, dn_k=16)
     x, idx, w, gate_up, down = _case(T, k, E, I, H, dtype, seed=T * 100 + k)
-    close(moe_experts_triton(x, idx, w, gate_up, down),
+    close(moe_experts_triton(x, idx, w, gate_up, down, launch=launch),
           moe_experts_reference(x, idx, w, gate_up, down), dtype)
 
 
-def test_strided_token_rows_and_expert_slices(monkeypatch):
+def test_strided_token_rows_and_expert_slices():
     """x as a column slice of a wider buffer; the experts' stacked weights as slices of bigger stacks."""
-    import gemma4opt.kernels.moe_experts as moe
-
-    monkeypatch.setattr(moe, "LAUNCH_OVERRIDE", dict(gu_n=4, gu_k=8, dn_n=2, dn_k=8, dn_warps=2))
+    launch = dict(gu_n=4, gu_k=8, dn_n=2, dn_k=8, dn_warps=2)
     x, idx, w, gate_up, down = _case(2, 2, 4, 8, 16, torch.float32, seed=7)
     wide = torch.randn(2, 40, device=DEVICE)
     wide[:, 5:21] = x
     big_gu = torch.randn(6, 16, 16, device=DEVICE)
     big_gu[1:5] = gate_up
-    close(moe_experts_triton(wide[:, 5:21], idx, w, big_gu[1:5], down),
+    close(moe_experts_triton(wide[:, 5:21], idx, w, big_gu[1:5], down, launch=launch),
           moe_experts_reference(x, idx, w, gate_up, down), torch.float32)
 
 

@@ -55,3 +55,13 @@ def test_many_tokens_use_head_blocks():
     close(qkv_norm_rope_append_triton(got_pool, *args), qkv_norm_rope_append_reference(want_pool, *args),
           torch.float32)
     close(got_pool, want_pool, torch.float32)
+
+
+@pytest.mark.parametrize("hb,warps", [(2, 2), (8, 4)])
+def test_swept_launch_configs_give_the_same_result(hb, warps):
+    """bench_kernels --sweep-norm-rope forces other heads-per-program / warps here too: same output."""
+    pool, args = _case(torch.float32, 2, 3, 5, 3, 16, 4, padded=1, seed=4)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    close(qkv_norm_rope_append_triton(got_pool, *args, launch=dict(hb=hb, warps=warps)),
+          qkv_norm_rope_append_reference(want_pool, *args), torch.float32)
+    close(got_pool, want_pool, torch.float32)

@@ -41,13 +41,14 @@ def test_broadcast_cos_over_batch():
 
 
 @pytest.mark.parametrize("hb,warps", [(1, 1), (4, 2), (32, 8)])
-def test_swept_launch_configs_give_the_same_result(monkeypatch, hb, warps):
+def test_swept_launch_configs_give_the_same_result(hb, warps):
     """bench_kernels --sweep-norm-rope forces other heads-per-program / warps: same output."""
     from gemma4opt.kernels import rms_norm_rope as nr
 
-    monkeypatch.setattr(nr, "LAUNCH_OVERRIDE", dict(hb=hb, warps=warps))
-    assert nr.head_block(64, 5, 8)[0] == min(hb, 8)
+    launch = dict(hb=hb, warps=warps)
+    assert nr.head_block(64, 5, 8, launch) == (min(hb, 8), 8, warps)
     x = torch.randn(2, 3, 5, 16, device=DEVICE)
     w = torch.randn(16, device=DEVICE)
     cos, sin = _cos_sin(2, 3, 16, torch.float32, 0.25)
-    close(rms_norm_rope_triton(x, w, cos, sin, 1e-6), rms_norm_rope_reference(x, w, cos, sin, 1e-6), torch.float32)
+    close(rms_norm_rope_triton(x, w, cos, sin, 1e-6, launch=launch), rms_norm_rope_reference(x, w, cos, sin, 1e-6),
+          torch.float32)

@@ -4,6 +4,7 @@ import torch
 
 from gemma4opt.compiler.regions import module_stack, op_name
 from gemma4opt.ops import linear as linear_op
+from gemma4opt.ops.state import OpState, active
 from tests.models import VARIANTS, prompt, tiny
 from tests.patterns.helpers import Compiled
 
@@ -39,8 +40,14 @@ def test_biased_projection_stays_unfused_and_is_listed():
     assert any("layers.0.mlp" in u and "bias" in u for u in c.unfused("decode_linear"))
 
 
-def test_pick_is_timed_once_per_shape_and_never_while_capturing(monkeypatch):
-    monkeypatch.setattr(linear_op.SHAPES, "chosen", {})
+@pytest.fixture
+def op_state():
+    """A fresh OpState, active for the test as a model's is for its forward."""
+    with active(OpState()) as state:
+        yield state
+
+
+def test_pick_is_timed_once_per_shape_and_never_while_capturing(monkeypatch, op_state):
     calls = []
 
     def timer(t_triton, t_cublas):
@@ -49,51 +56,46 @@ def test_pick_is_timed_once_per_shape_and_never_while_capturing(monkeypatch):
             return t_triton, t_cublas
         return run
 
-    assert linear_op.pick_triton(("a",), timer(1.0, 2.0)) is True
-    assert linear_op.pick_triton(("a",), timer(9.0, 1.0)) is True      # remembered, not re-timed
-    assert linear_op.pick_triton(("b",), timer(0.99, 1.0)) is False    # within the margin: cuBLAS
+    pick = op_state.shapes["linear"].pick
+    assert pick(("a",), timer(1.0, 2.0)) is True
+    assert pick(("a",), timer(9.0, 1.0)) is True      # remembered, not re-timed
+    assert pick(("b",), timer(0.99, 1.0)) is False    # within the margin: cuBLAS
     assert len(calls) == 2
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert linear_op.pick_triton(("c",), timer(0.1, 1.0)) is False     # cannot time inside a capture
+    assert pick(("c",), timer(0.1, 1.0)) is False     # cannot time inside a capture
     assert len(calls) == 2 and ("c",) not in linear_op.picks()
 
 
-def test_a_triton_gemm_that_fails_leaves_the_shape_on_cublas(monkeypatch):
-    monkeypatch.setattr(linear_op.SHAPES, "chosen", {})
-    monkeypatch.setattr(linear_op.SHAPES, "failed", {})
-
+def test_a_triton_gemm_that_fails_leaves_the_shape_on_cublas(op_state):
     def broken():
         raise RuntimeError("no kernel image for this GPU")
 
-    assert linear_op.pick_triton(("d",), broken) is False
+    assert op_state.shapes["linear"].pick(("d",), broken) is False
     assert linear_op.picks() == {("d",): False}
     assert "no kernel image" in linear_op.failures()[("d",)]
 
 
-def test_report_line_counts_the_picks(monkeypatch):
+def test_report_line_counts_the_picks():
     from gemma4opt.report import _decode_gemms
 
-    monkeypatch.setattr(linear_op.SHAPES, "chosen", {})
-    monkeypatch.setattr(linear_op.SHAPES, "failed", {})
-    assert "no shape" in _decode_gemms("cuda")
-    monkeypatch.setattr(linear_op.SHAPES, "chosen", {(1, 8, 4, None, 0): True, (8, 8, 4, None, 0): False})
-    assert _decode_gemms("cuda").startswith("the skinny Triton GEMM on 1 of 2 shapes timed (rows [1, 8])")
-    from gemma4opt.ops import linear_softcap
-
-    monkeypatch.setattr(linear_softcap.SHAPES, "chosen", {})
-    assert "lm_head" not in _decode_gemms("cuda")
+    state = OpState()
+    assert "no shape" in _decode_gemms("cuda", state)
+    state.shapes["linear"].chosen.update({(1, 8, 4, None, 0): True, (8, 8, 4, None, 0): False})
+    assert _decode_gemms("cuda", state).startswith("the skinny Triton GEMM on 1 of 2 shapes timed (rows [1, 8])")
+    assert "lm_head" not in _decode_gemms("cuda", state)
 
 
-def test_report_line_counts_the_lm_head_picks(monkeypatch):
-    from gemma4opt.ops import linear_softcap
+def test_report_line_counts_the_lm_head_picks():
     from gemma4opt.report import _decode_gemms
 
-    monkeypatch.setattr(linear_op.SHAPES, "chosen", {(1, 8, 4, None, 0): True})
-    monkeypatch.setattr(linear_softcap.SHAPES, "chosen", {(1, 262144, 2560, None, 0): True,
-                                                         (40, 262144, 2560, None, 0): False})
-    assert _decode_gemms("cuda").endswith("; lm_head + softcap: the skinny GEMM with the softcap epilogue on 1 of 2 "
-                                    "shapes timed (rows [1, 40]), cuBLAS + the softcap kernel on the rest")
+    state = OpState()
+    state.shapes["linear"].chosen.update({(1, 8, 4, None, 0): True})
+    state.shapes["linear_softcap"].chosen.update({(1, 262144, 2560, None, 0): True,
+                                                  (40, 262144, 2560, None, 0): False})
+    assert _decode_gemms("cuda", state).endswith(
+        "; lm_head + softcap: the skinny GEMM with the softcap epilogue on 1 of 2 "
+        "shapes timed (rows [1, 40]), cuBLAS + the softcap kernel on the rest")
 
 
 def test_a_triton_result_that_differs_from_cublas_is_refused():

@@ -55,13 +55,13 @@ def test_other_expert_layouts_stay_unfused_with_a_reason(attr, value):
     assert m is None and f"{attr}={value}" in why
 
 
-def test_report_lists_the_experts_picks(monkeypatch):
-    from gemma4opt.ops import moe_experts as moe_op
+def test_report_lists_the_experts_picks():
+    from gemma4opt.ops.state import OpState
     from gemma4opt.report import _decode_experts
 
-    monkeypatch.setattr(moe_op.SHAPES, "chosen", {})
-    assert _decode_experts("cuda").startswith("no decode shape timed yet")
-    monkeypatch.setattr(moe_op.SHAPES, "chosen", {(1, 8, 128, 1408, 2816, None, 0): True,
-                                           (8, 8, 128, 1408, 2816, None, 0): False})
-    assert _decode_experts("cuda").startswith(
+    state = OpState()
+    assert _decode_experts("cuda", state).startswith("no decode shape timed yet")
+    state.shapes["moe_experts"].chosen.update({(1, 8, 128, 1408, 2816, None, 0): True,
+                                               (8, 8, 128, 1408, 2816, None, 0): False})
+    assert _decode_experts("cuda", state).startswith(
         "gemma4opt's decode kernels on 1 of 2 shapes timed (tokens [1, 8]), HF's experts path on the rest")
