@@ -70,3 +70,52 @@ def test_two_models_keep_their_own_picks_and_experts(probe):
     b_experts = {id(layer.experts) for layer in b.model.layers}
     assert {id(m) for m in sb.experts.values()} == b_experts
     assert not sa.experts and not b_experts & {id(m) for m in DEFAULT.experts.values()}
+
+
+def _greedy_steps(model, ids, new, cache):
+    """A greedy loop of direct forward calls, one yield per call (so two loops can interleave)."""
+    tokens = ids
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache, attention_mask=torch.ones_like(ids), use_cache=True)
+        for i in range(new):
+            nxt = out.logits[:, -1:].argmax(-1)
+            tokens = torch.cat([tokens, nxt], 1)
+            yield tokens
+            if i + 1 < new:
+                out = model(nxt, past_key_values=cache, attention_mask=torch.ones_like(tokens), use_cache=True)
+
+
+def test_two_paged_models_interleaved_keep_their_own_backends_tables_and_pools(monkeypatch):
+    """Two paged models of different sizes on the CUDA backends (FlashInfer stood in, decode on
+    the Triton backend), their steps interleaved call by call: each model's plans, device tables
+    and pool are its own, and each one's tokens equal its eager run."""
+    import sys
+
+    from transformers import DynamicCache
+
+    from gemma4opt.paged.cache import PagedCache
+    from tests.attention.test_flashinfer_plumbing import _StandInWrapper, use_cuda_backends
+    from tests.e2e.test_paged_generate import PAGED
+
+    monkeypatch.setitem(sys.modules, "flashinfer", SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=_StandInWrapper))
+    models = [tiny("tiny"), tiny("tiny-ple-shared", seed=2)]
+    ids = [prompt(2, 11, seed=1), prompt(1, 7, seed=2)]
+    want = [list(_greedy_steps(m, i, 8, DynamicCache()))[-1] for m, i in zip(models, ids)]
+    ctxs = []
+    for m in models:
+        gemma4opt.optimize(m, PAGED)
+        ctxs.append(use_cuda_backends(m, PAGED))
+    loops = [_greedy_steps(m, i, 8, PagedCache(c, m.config.num_hidden_layers)) for m, i, c in zip(models, ids, ctxs)]
+    got = [None, None]
+    for step in zip(*loops):                    # A's step, then B's, then A's...
+        got = list(step)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    a, b = ctxs
+    assert a.kv.keys() != b.kv.keys() or any(a.kv[k].shape != b.kv[k].shape for k in a.kv)    # different sizes
+    for kind in a.backends:
+        pa, pb = a.backends[kind].prefill, b.backends[kind].prefill
+        assert pa is not pb and pa.handle != pb.handle and pa.workspace is not pb.workspace
+        assert pa.plans == pb.plans == 1                                  # each planned its own prefill only
+        assert a.backends[kind].decode.steps == b.backends[kind].decode.steps == 7
+        assert a.tables[kind].data_ptr() != b.tables[kind].data_ptr()
+    assert not (get_state(models[0]).fixed.ptrs() & get_state(models[1]).fixed.ptrs())
