@@ -19,7 +19,10 @@ import torch
 
 from gemma4opt.paged.tables import PagedSequences, PagePool
 from gemma4opt.paged.staging import HostStaging
-from gemma4opt.runtime.context import DEVICE_FIELDS, FLASHINFER_FIELDS
+
+# Page-list fields staged per step: what the FlashInfer backend (plan) or the reference backend (op) reads.
+FLASHINFER_FIELDS = ("kv_indices", "slot_mapping")
+REFERENCE_FIELDS = ("kv_indptr", "kv_indices", "kv_last_page_len", "kv_start", "seq_lens", "slot_mapping")
 
 KINDS = (("sliding", 32, 16, 256), ("full", 32, 4, 512))   # name, q heads, kv heads, head_dim (31b)
 
@@ -27,7 +30,8 @@ KINDS = (("sliding", 32, 16, 256), ("full", 32, 4, 512))   # name, q heads, kv h
 def _plans(args, device):
     if device != "cuda":
         return None
-    from gemma4opt.paged.backends.flashinfer import KindPlan, available, workspace_bytes
+    from gemma4opt.paged.backends.base import KindGeometry
+    from gemma4opt.paged.backends.flashinfer import FlashInferBackend, available, workspace_bytes
 
     if available() is not None:
         print(f"# FlashInfer: {available()} -> plan() not measured")
@@ -35,32 +39,27 @@ def _plans(args, device):
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     ws = torch.empty(workspace_bytes([k[1:] for k in KINDS], max(args.batch), sms), dtype=torch.uint8, device=device)
     max_pages = max(args.batch) * (-(-(args.context + args.steps + 8) // args.page_size) + 1)
-    return [KindPlan(ws, h, kvh, d, args.page_size, args.window if name == "sliding" else None, torch.bfloat16,
-                     max_pages=max_pages, fast_replan=not args.full_plan)
+    return [FlashInferBackend(KindGeometry(f"{name}_attention", h, kvh, d, args.page_size,
+                                           args.window if name == "sliding" else None, torch.bfloat16,
+                                           torch.bfloat16, device=device),
+                              ws, max_pages=max_pages, fast_replan=not args.full_plan)
             for name, h, kvh, d in KINDS]
 
 
 def begin_step_cost(args) -> None:
     """Host µs of StepContext.begin_step for graphed decode steps with the Triton decode kernel
     (the default): page bookkeeping of both kinds, lengths and slots, the table updates, the one
-    staged copy and the device-table scatter; no plan. Stand-in plans: only their choice of
-    kernel matters here (prefill planning is not timed)."""
+    staged copy and the device-table scatter; no plan. Prefill runs the reference backend (its
+    planning is not timed); decode steps the Triton backend."""
     import dataclasses
     import types
 
     from transformers import Gemma4TextConfig
 
     from gemma4opt import Gemma4OptConfig
-    from gemma4opt.runtime.context import StepContext
-
-    class _Plan:
-        triton_decode, key = True, -1
-
-        def use_triton(self):
-            pass
-
-        def plan(self, *a, **k):
-            pass
+    from gemma4opt.paged.backends import KindBackends
+    from gemma4opt.paged.backends.triton import TritonDecodeBackend
+    from gemma4opt.paged.step import StepContext
 
     # Host work does not depend on head sizes: a small pool, the 31b's layer kinds and window.
     cfg = Gemma4TextConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
@@ -74,7 +73,8 @@ def begin_step_cost(args) -> None:
         oc = Gemma4OptConfig(attention="paged", max_batch_size=b, page_size=args.page_size,
                              max_seq_len=args.context + args.steps + 16).resolve("cpu")
         ctx = StepContext(cfg, dataclasses.replace(oc, cuda_graphs=True), args.device, torch.bfloat16)
-        ctx.use_plans({"sliding_attention": _Plan(), "full_attention": _Plan()})
+        ctx.use_backends({k: KindBackends(kb.prefill, TritonDecodeBackend(kb.prefill.geometry))
+                          for k, kb in ctx.backends.items()})
         cache = types.SimpleNamespace(rows=None)
         lens = np.random.default_rng(b).integers(args.context // 2, args.context + 1, size=b)
         mask = torch.from_numpy((np.arange(args.context)[None] >= (args.context - lens)[:, None]).astype(np.int64))
@@ -104,7 +104,7 @@ def main(argv=None):
                          "uniform in [context/2, context], so some sequence crosses a page almost every step")
     ap.add_argument("--graph", action="store_true",
                     help="plan as decode graphs do (graph-mode wrapper per batch bucket; FlashInfer's plan() once, "
-                         "then gemma4opt's fast replan: attention/flashinfer_replan.py)")
+                         "then gemma4opt's fast replan: paged/backends/flashinfer_replan.py)")
     ap.add_argument("--full-plan", action="store_true", help="with --graph: FlashInfer's plan() every step")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile the plan() calls of the last batch size (where host time goes)")
@@ -116,7 +116,7 @@ def main(argv=None):
     ps = args.page_size
     plans = _plans(args, args.device)
     staged = args.staged if args.staged != "auto" else ("flashinfer" if args.device == "cuda" else "reference")
-    fields = FLASHINFER_FIELDS if staged == "flashinfer" else DEVICE_FIELDS
+    fields = FLASHINFER_FIELDS if staged == "flashinfer" else REFERENCE_FIELDS
     print(f"# context {args.context} ({'all equal' if args.aligned else 'lengths from context/2 to context'}), "
           f"staged for {staged}, "
           f"page size {ps}, window {args.window}, {args.device}; µs per decode step "

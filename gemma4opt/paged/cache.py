@@ -2,7 +2,7 @@
 Each cache holds rows of the model's page tables until it is released (or garbage-collected).
 
 HF only needs lengths from it (positions, generate's bookkeeping); the KV itself is written by
-gemma4opt.kv_append and read by gemma4opt.paged_attention through the model's StepContext.
+gemma4opt.kv_append and read by the attention backends' ops (paged/backends/) through the model's StepContext.
 """
 from __future__ import annotations
 

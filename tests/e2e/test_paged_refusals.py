@@ -21,7 +21,7 @@ def test_head_dims_flashinfer_lacks_are_refused():
 
     tiny_cfg = preset_config("tiny")
     dims = sorted({lc.head_dim for lc in tiny_cfg.per_layer_config})
-    with pytest.raises(ValueError, match=rf"head_dim \[{dims[0]}.*\[64, 128, 256, 512\]"):
+    with pytest.raises(ValueError, match=rf"head_dim {dims[0]} .*\[64, 128, 256, 512\]"):
         check_paged_supported(CUDA, torch.bfloat16, tiny_cfg)
     check_paged_supported(CUDA, torch.bfloat16, preset_config("demo"))   # 64 and 128
     check_paged_supported(CUDA, torch.bfloat16, preset_config("31b", 2))  # 256 and 512

@@ -4,6 +4,7 @@ import torch.fx as fx
 from torch.fx.passes.shape_prop import ShapeProp
 
 import gemma4opt.ops  # noqa: F401  (registers torch.ops.gemma4opt)
+import gemma4opt.paged.backends.reference  # noqa: F401  (its op: gemma4opt.paged_attention)
 from gemma4opt.compiler.pattern import PassContext
 from gemma4opt.compiler.regions import drop_dead_views, op_name
 from patterns.paged_qkv import PagedQKVPattern
@@ -27,7 +28,7 @@ def _layer(kv, xq, wq, xk, wk, xv, cos, sin, slots, tok, meta, eps_v, leak_v, de
     if dead_to:        # transformers 5.17's KV-shared layers: ``.to(device)`` of the producer's K/V, unused
         k.to("cpu"), v.to("cpu")
     ops.kv_append(kv, k.transpose(1, 2), v.transpose(1, 2), slots, tok)
-    out = ops.paged_attention(q.transpose(1, 2), kv, *meta, tok, -1, 1.0, -1)
+    out = ops.paged_attention(q.transpose(1, 2), kv, *meta, -1, 1.0)
     return (out, v_normed.sum()) if leak_v else out
 
 
