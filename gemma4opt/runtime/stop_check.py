@@ -14,7 +14,8 @@ of their own, a ``custom_generate`` that is HF's own ``_sample`` function (same 
 whose globals see a ``DeferredStopCheck`` subclass answering for a CUDA device as HF answers
 for "mps". No class, module attribute or registry changes, so every other model, thread and
 task keeps HF's behaviour. HF's other conditions stay in force: not for assisted decoding, and
-a cache that generate returns must be croppable.
+a cache that generate returns must be croppable. Not with a streamer either: there the deferred
+check of the transformers seen here streamed the prompt and none of the new tokens.
 """
 from __future__ import annotations
 
@@ -79,7 +80,10 @@ def install_deferred_stop_check(model, edits) -> str:
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        if kwargs.get("custom_generate") is None and _is_sample_mode(model, kwargs):
+        # A streamer gets HF's per-step check: with the deferred one, the streamer of the
+        # transformers seen here received the prompt and then none of the new tokens.
+        own = kwargs.get("custom_generate") is not None or kwargs.get("streamer") is not None
+        if not own and _is_sample_mode(model, kwargs):
             kwargs["custom_generate"] = sample
         return original(*args, **kwargs)
 

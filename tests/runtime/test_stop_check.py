@@ -100,6 +100,7 @@ def test_custom_generate_only_for_greedy_and_sampling(seen_kwargs, paged):
     assert handed(prompt_lookup_num_tokens=3) is None
     mine = object()
     assert handed(custom_generate=mine) is mine
+    assert handed(do_sample=False, streamer=object()) is None    # a streamer gets HF's per-step check
 
     plain = tiny(seed=3)                       # another model: HF's generate as is, nothing handed
     plain.generate(ids, max_new_tokens=2, do_sample=False)
