@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from gemma4opt.kernels.kv_append import kv_append_triton
-from gemma4opt.ops.paged_attention import kv_append_rows_reference
+from gemma4opt.ops.kv_append import kv_append_rows_reference
 from tests.kernels.conftest import DEVICE, DTYPES
 
 

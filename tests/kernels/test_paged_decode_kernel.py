@@ -109,3 +109,19 @@ def test_multi_token_rows_must_fill_whole_steps():
     with pytest.raises(ValueError, match="whole number"):
         paged_decode_triton(torch.zeros(3, 2, 16), torch.zeros(1, 2, 4, 1, 16), torch.zeros(2, 2, dtype=torch.int32),
                             torch.ones(3, dtype=torch.int32), 0, 1.0, 4, tokens=2)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_table_reference_matches_the_page_list_reference(case):
+    """The Triton backend's CPU op (``paged_decode_reference``, reading the ring table) computes what
+    the reference backend computes from page lists."""
+    from gemma4opt.paged.backends.triton import paged_decode_reference
+
+    lens, ps, H, kvh, D, window, _, ring = case
+    g = torch.Generator().manual_seed(sum(lens) + D + 1)
+    kv, table, (indptr, indices, last, start) = _batch(lens, ps, kvh, D, torch.float32, window, g, ring)
+    q = torch.randn(len(lens), H, D, generator=g)
+    want = paged_attention_reference(q, kv, indptr, indices, last, start, torch.arange(len(lens) + 1, dtype=torch.int32),
+                                     torch.tensor(lens), window or None, 0.7)
+    got = paged_decode_reference(q, kv, table, torch.tensor(lens, dtype=torch.int32), window, 0.7)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
