@@ -1,7 +1,10 @@
 """Importing this registers every torch.ops.gemma4opt op (reference + fake + CUDA kernels)."""
 from gemma4opt.ops import (  # noqa: F401
     add_rms_norm,
+    add_rms_norm_quant,
+    fp8_linear,
     gelu_tanh_mul,
+    gelu_tanh_mul_quant,
     kv_append,
     linear,
     linear_softcap,
@@ -9,5 +12,6 @@ from gemma4opt.ops import (  # noqa: F401
     moe_router,
     qkv_norm_rope_append,
     rms_norm,
+    rms_norm_quant,
     rms_norm_rope,
 )

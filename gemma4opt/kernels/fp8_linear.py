@@ -1,0 +1,200 @@
+"""Triton FP8 (e4m3) y = (x_q * x_scale) @ (W_q * w_scale)^T for a few rows (decode: M <= 32).
+
+kernels/skinny_linear.py's tiling with fp8 operands: x_q [M, K] and W_q [N, K] (row-major, as
+nn.Linear keeps W) multiply in fp32 accumulators (each product of two e4m3 values is exact in fp32),
+and the scales — one per token (row of x) and one per output channel (row of W) — are applied once
+in the epilogue: y[m, n] = acc[m, n] * x_scale[m] * w_scale[n], cast to the output dtype.
+
+M == 1: an fp32 multiply-and-row-sum. 2 <= M <= 32: ``tl.dot`` on the fp8 tiles (Hopper's fp8
+warpgroup MMA), W's rows as the dot's M side (SWAP) as in skinny_linear, K unsplit or split in 2
+or 4 (fp32 partials, summed in split order by a second kernel that applies the scales). The tile
+is autotuned per (N, K, row class) on the first call. ops/fp8_linear.py runs it for <= 32 rows
+and torch._scaled_mm above. Not used by optimize() yet.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+import triton.testing
+
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue, rows_view
+from gemma4opt.kernels.skinny_linear import row_dot_tile
+
+MAX_ROWS = 32
+# The interpreter (CPU tests) runs one config, a while loop for K, and fp32 dot tiles (as in
+# skinny_linear; fp8 values are exact in fp32, so the products are the same).
+_COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
+_INTERPRETER_SPLIT = 2      # the one config the interpreter runs for 2+ rows (tests may change it)
+
+
+@triton.jit
+def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr):
+    """acc += x_q[:, k0:k0+BLOCK_K] @ W_q[rows, k0:k0+BLOCK_K]^T in fp32 (SWAP: its transpose)."""
+    if BLOCK_M == 1:
+        acc = row_dot_tile(acc, X, w_rows, k0, K, nmask, BLOCK_K)
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        x = tl.load(X + m[:, None] * sxm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        if not COMPILED:
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        if SWAP:
+            acc += tl.dot(w, tl.trans(x))
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    return acc
+
+
+@triton.jit
+def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr = False,
+                       PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    w_rows = W + n.to(tl.int64)[:, None] * swn
+    m = tl.arange(0, BLOCK_M)
+    mmask = m < M
+    sk = tl.program_id(1)
+    if SPLIT_K == 1:
+        lo = 0
+        hi = K
+    else:                   # split sk: [lo, hi) in whole BLOCK_K tiles, so only the last tile masks
+        chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        lo = sk * chunk
+        hi = tl.minimum(lo + chunk, K)
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N], tl.float32)
+    elif SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if COMPILED:
+        for k0 in range(lo, hi, BLOCK_K):
+            acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, SWAP)
+    else:           # the interpreter takes no runtime range() bound
+        k0 = lo
+        while k0 < hi:
+            acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, SWAP)
+            k0 += BLOCK_K
+    ws = tl.load(WS + n, mask=nmask, other=0.0)
+    if BLOCK_M == 1:
+        y = acc * tl.load(XS) * ws
+        tl.store(Y + n, y.to(Y.dtype.element_ty), mask=nmask)
+    else:
+        xs = tl.load(XS + m, mask=mmask, other=0.0)
+        if SWAP:        # acc is [BLOCK_N, BLOCK_M]
+            mo, no = m[None, :], n[:, None]
+            xs2, ws2 = xs[None, :], ws[:, None]
+        else:
+            mo, no = m[:, None], n[None, :]
+            xs2, ws2 = xs[:, None], ws[None, :]
+        omask = (mo < M) & (no < N)
+        if SPLIT_K == 1:
+            tl.store(Y + mo * sym + no, (acc * xs2 * ws2).to(Y.dtype.element_ty), mask=omask)
+        else:           # unscaled fp32 partial of split sk: P[sk, m, n], contiguous [SPLIT_K, M, N]
+            tl.store(P + (sk * M + mo).to(tl.int64) * N + no, acc, mask=omask)
+
+
+@triton.jit
+def _split_sum_kernel(P, XS, WS, Y, M, N, sym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Y[m, n] = (sum over splits of P[s, m, n], in split order) * x_scale[m] * w_scale[n]."""
+    pdl_prologue(PDL)
+    m = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    nmask = n < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(P + (s * M + m).to(tl.int64) * N + n, mask=nmask, other=0.0)
+    y = acc * tl.load(XS + m) * tl.load(WS + n, mask=nmask, other=0.0)
+    tl.store(Y + m * sym + n, y.to(Y.dtype.element_ty), mask=nmask)
+
+
+# (BLOCK_N, BLOCK_K, warps, splits, stages, SWAP): skinny_linear's shapes with K tiles twice as long
+# (an fp8 tile of 128 is as many bytes as a bf16 tile of 64). Untimed on a GPU yet.
+_ROW_SUM = [(bn, bk, w, 1, 3, False) for bn in (4, 8, 16) for bk in (1024, 2048) for w in (4, 8)]
+_DOT = [(64, 128, 4, 1, 3, True), (64, 256, 4, 1, 3, True), (64, 128, 4, 1, 5, True), (128, 128, 8, 1, 3, True),
+        (128, 256, 8, 2, 3, True), (64, 256, 4, 2, 3, True), (64, 256, 4, 4, 3, True), (64, 128, 4, 4, 5, True)]
+MAX_SPLIT = 4
+
+
+def _configs():
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "SWAP": swap}, num_warps=w, num_stages=st)
+            for bn, bk, w, sk, st, swap in dict.fromkeys(_ROW_SUM + _DOT)]
+
+
+def _key(c):
+    k = c.kwargs
+    return k["BLOCK_N"], k["BLOCK_K"], c.num_warps, k["SPLIT_K"], c.num_stages, k["SWAP"]
+
+
+def _keep(configs, named_args, **kwargs):
+    """The row-sum path's configs for one row, tl.dot's for more."""
+    bm = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
+    want = set(_ROW_SUM if bm == 1 else _DOT)
+    return [c for c in configs if _key(c) in want] or configs
+
+
+def _bench(fn, quantiles=None):
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+def _sum_splits(nargs, exception=None):
+    """The split sum after a split config's kernel (also as the autotuner's post-hook, so a split
+    config pays for its second kernel when configs are compared)."""
+    if exception is None and nargs["SPLIT_K"] > 1:
+        M, N, y = nargs["M"], nargs["N"], nargs["Y"]
+        _split_sum_kernel[(M, triton.cdiv(N, 512))](nargs["P"], nargs["XS"], nargs["WS"], y, M, N, y.stride(0),
+                                                     SPLIT_K=nargs["SPLIT_K"], BLOCK=512, **pdl_flags(y))
+
+
+_tuned = triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M"], do_bench=_bench, post_hook=_sum_splits,
+                         prune_configs_by={"early_config_prune": _keep})(_fp8_linear_kernel)
+
+
+def fp8_linear_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                      out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
+    """x_fp8 [..., K] (at most MAX_ROWS rows) with fp32 scales [...], w_fp8 [N, K] (unit stride along
+    K) with fp32 scales [N] -> [..., N] in out_dtype. ``config`` runs one tile instead of the
+    autotuned one: BLOCK_N, BLOCK_K, and optionally SPLIT_K, SWAP, num_warps, num_stages."""
+    x2 = rows_view(x_fp8)
+    M, K = x2.shape
+    N = w_fp8.shape[0]
+    if M > MAX_ROWS:
+        raise ValueError(f"gemma4opt fp8_linear: {M} rows, at most {MAX_ROWS} (use torch._scaled_mm)")
+    if w_fp8.shape[1] != K or w_fp8.stride(1) != 1:
+        raise ValueError(f"gemma4opt fp8_linear: weight {tuple(w_fp8.shape)} (stride {w_fp8.stride()}) "
+                         f"does not match x [..., {K}] with unit stride along K")
+    if x_scale.numel() != M or w_scale.numel() != N:
+        raise ValueError(f"gemma4opt fp8_linear: scales of {x_scale.numel()} rows and {w_scale.numel()} "
+                         f"channels for a [{M}, {K}] x [{N}, {K}] product")
+    xs = x_scale.reshape(M).float().contiguous()
+    ws = w_scale.reshape(N).float().contiguous()
+    y = torch.empty(M, N, dtype=out_dtype, device=x_fp8.device)
+    if M and N:
+        bm = 1 if M == 1 else 16 if M <= 16 else 32
+        part = torch.empty(MAX_SPLIT * M * N if bm > 1 else 1, dtype=torch.float32, device=x_fp8.device)
+        args = (x2, xs, w_fp8, ws, y, part, M, N, K, x2.stride(0), w_fp8.stride(0), y.stride(0))
+        flags = dict(BLOCK_M=bm, COMPILED=_COMPILED, **pdl_flags(y))
+        if config is None and not _COMPILED:
+            bn, split = (4, 1) if bm == 1 else (16, _INTERPRETER_SPLIT)
+            config = dict(BLOCK_N=bn, BLOCK_K=32, SPLIT_K=split)
+        if config is None:
+            _tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])](*args, **flags)
+            split = _tuned.best_config.kwargs["SPLIT_K"]
+        else:
+            meta = {**dict(SPLIT_K=1, SWAP=False, num_warps=4, num_stages=3), **config}
+            split = meta["SPLIT_K"] if bm > 1 else 1
+            if split > MAX_SPLIT or (meta["SWAP"] and bm == 1):
+                raise ValueError(f"gemma4opt fp8_linear: config {config} (at most {MAX_SPLIT} splits; "
+                                 f"SWAP needs 2+ rows)")
+            meta.update(SPLIT_K=split)
+            _fp8_linear_kernel[(triton.cdiv(N, meta["BLOCK_N"]), split)](*args, **meta, **flags)
+        _sum_splits(dict(P=part, XS=xs, WS=ws, Y=y, M=M, N=N, SPLIT_K=split))
+    return y.view(*x_fp8.shape[:-1], N)

@@ -1,0 +1,61 @@
+"""gemma4opt::fp8_linear — an FP8 (e4m3) projection with per-token and per-channel scales.
+
+    y = (x_fp8.float() * x_scale[..., None]) @ (w_fp8.float() * w_scale[:, None]).T   (fp32) -> out_dtype
+
+x_fp8 [..., K] with fp32 x_scale [...] (one per token: ops/fp8.py's quantize_rows, or the fused
+*_quant ops), w_fp8 [N, K] with fp32 w_scale [N] (one per output channel: quantize_weight). The CPU
+path is the reference. On CUDA: up to ``MAX_ROWS`` rows (decode) kernels/fp8_linear.py's skinny
+Triton GEMM; more rows torch._scaled_mm with row-wise scales (scale_a [rows, 1], scale_b [1, N]),
+which takes a bf16 output and K, N multiples of 16; any other shape or output dtype the reference.
+Not used by optimize() yet: no pick per shape is timed (ops/linear.py's is the model to follow).
+"""
+from __future__ import annotations
+
+import torch
+
+from gemma4opt.ops.fp8 import fp8_linear_reference
+
+MAX_ROWS = 32
+
+
+@torch.library.custom_op("gemma4opt::fp8_linear", mutates_args=())
+def fp8_linear(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    return fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, out_dtype)
+
+
+@fp8_linear.register_fake
+def _(x_fp8, x_scale, w_fp8, w_scale, out_dtype):
+    return torch.empty((*x_fp8.shape[:-1], w_fp8.shape[0]), dtype=out_dtype, device=x_fp8.device)
+
+
+def runs_triton(x_fp8, w_fp8) -> bool:
+    """Whether this CUDA call runs the skinny Triton GEMM: decode rows and unit-stride weight rows."""
+    rows = x_fp8.numel() // max(x_fp8.shape[-1], 1)
+    return 0 < rows <= MAX_ROWS and w_fp8.stride(-1) == 1
+
+
+def runs_scaled_mm(x_fp8, w_fp8, out_dtype) -> bool:
+    """Whether torch._scaled_mm's row-wise scaling takes this call (bf16 out, K and N multiples of 16)."""
+    K, N = x_fp8.shape[-1], w_fp8.shape[0]
+    return out_dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0 and x_fp8.numel() > 0 and N > 0
+
+
+def scaled_mm(x_fp8, x_scale, w_fp8, w_scale, out_dtype):
+    """torch._scaled_mm with one scale per row of x and per row of W (W^T column-major, as it needs)."""
+    K, N = x_fp8.shape[-1], w_fp8.shape[0]
+    x2 = x_fp8.reshape(-1, K).contiguous()
+    y = torch._scaled_mm(x2, w_fp8.contiguous().t(), scale_a=x_scale.reshape(-1, 1).float().contiguous(),
+                         scale_b=w_scale.reshape(1, N).float().contiguous(), out_dtype=out_dtype)
+    return y.view(*x_fp8.shape[:-1], N)
+
+
+@fp8_linear.register_kernel("cuda")
+def _(x_fp8, x_scale, w_fp8, w_scale, out_dtype):
+    if runs_triton(x_fp8, w_fp8):
+        from gemma4opt.kernels.fp8_linear import fp8_linear_triton
+
+        return fp8_linear_triton(x_fp8, x_scale, w_fp8, w_scale, out_dtype)
+    if runs_scaled_mm(x_fp8, w_fp8, out_dtype):
+        return scaled_mm(x_fp8, x_scale, w_fp8, w_scale, out_dtype)
+    return fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, out_dtype)

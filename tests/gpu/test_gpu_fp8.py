@@ -1,0 +1,87 @@
+"""On the GPU machine: the FP8 ops (not used by optimize() yet) at the real models' sizes.
+gemma4opt::fp8_linear's two CUDA branches — the skinny Triton GEMM (<= 32 rows) and
+torch._scaled_mm with row-wise scales (more rows) — each against the fp32 reference, and the
+fused producer + quantize ops against quantize_rows of the unfused Triton producer, bit for bit."""
+import pytest
+import torch
+
+import gemma4opt.ops  # noqa: F401
+from gemma4opt.ops import fp8_linear as fp8_op
+from gemma4opt.ops.fp8 import fp8_linear_reference, quantize_rows_reference, quantize_weight_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _operands(rows, n, k):
+    torch.manual_seed(rows + n)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
+    xq, xs = quantize_rows_reference(x)
+    wq, ws = quantize_weight_reference(w)
+    return xq, xs, wq, ws
+
+
+def _close(got, xq, xs, wq, ws):
+    want = fp8_linear_reference(xq, xs, wq, ws, torch.float32)
+    # bf16 output rounding (2^-8 relative) on values of size ~1, plus fp32 sum-order differences
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 32, 40, 256])
+@pytest.mark.parametrize("n,k", [(5376, 8192), (2560, 2048), (16384, 5376)])
+def test_fp8_linear_op_equals_reference(rows, n, k):
+    xq, xs, wq, ws = _operands(rows, n, k)
+    got = torch.ops.gemma4opt.fp8_linear(xq, xs, wq, ws, torch.bfloat16)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    assert fp8_op.runs_triton(xq, wq) == (rows <= fp8_op.MAX_ROWS)
+    assert fp8_op.runs_scaled_mm(xq, wq, torch.bfloat16)
+    _close(got, xq, xs, wq, ws)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_both_branches_equal_the_reference_at_decode_rows(rows):
+    """The Triton GEMM and torch._scaled_mm on the same decode-sized input (the op picks Triton)."""
+    from gemma4opt.kernels.fp8_linear import fp8_linear_triton
+
+    xq, xs, wq, ws = _operands(rows, 5376, 5376)
+    _close(fp8_linear_triton(xq, xs, wq, ws, torch.bfloat16), xq, xs, wq, ws)
+    _close(fp8_op.scaled_mm(xq, xs, wq, ws, torch.bfloat16), xq, xs, wq, ws)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
+def test_other_output_dtypes_above_32_rows_take_the_reference(out_dtype):
+    xq, xs, wq, ws = _operands(40, 256, 512)
+    assert not fp8_op.runs_scaled_mm(xq, wq, out_dtype)
+    got = torch.ops.gemma4opt.fp8_linear(xq, xs, wq, ws, out_dtype)
+    assert got.dtype == out_dtype
+    _close(got, xq, xs, wq, ws)
+
+
+@pytest.mark.parametrize("rows", [1, 32, 300])
+def test_fused_quant_ops_equal_the_unfused_kernels_quantized(rows):
+    """rms_norm_quant (31b hidden 5376), add_rms_norm_quant, gelu_tanh_mul_quant at the 31b's FFN
+    width 21504 (in chunks, two passes) and the e4b's 10240: the same bytes and scales as
+    quantize_rows of the unfused kernel's output."""
+    from gemma4opt.kernels.add_rms_norm import add_rms_norm_triton
+    from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_mul_triton
+    from gemma4opt.kernels.rms_norm import rms_norm_triton
+
+    def same(got, want):
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(got[1], want[1])
+
+    torch.manual_seed(rows)
+    ops = torch.ops.gemma4opt
+    x, r = torch.randn(rows, 5376, device="cuda", dtype=torch.bfloat16), torch.randn(rows, 5376, device="cuda",
+                                                                                      dtype=torch.bfloat16)
+    w1, w2 = torch.rand(2, 5376, device="cuda", dtype=torch.bfloat16) + 0.5
+    same(ops.rms_norm_quant(x, w1, 1e-6), quantize_rows_reference(rms_norm_triton(x, w1, 1e-6)))
+    scale = torch.tensor([0.7], device="cuda", dtype=torch.bfloat16)
+    s, q, qs = ops.add_rms_norm_quant(x, r, w1, 1e-6, scale, w2, 1e-6)
+    us, un = add_rms_norm_triton(x, r, w1, 1e-6, scale, w2, 1e-6)
+    assert torch.equal(s, us)
+    same((q, qs), quantize_rows_reference(un))
+    for d in (21504, 10240):
+        gu = torch.randn(rows, 2 * d, device="cuda", dtype=torch.bfloat16) * 3
+        g, u = gu[:, :d], gu[:, d:]
+        same(ops.gelu_tanh_mul_quant(g, u), quantize_rows_reference(gelu_tanh_mul_triton(g, u)))
