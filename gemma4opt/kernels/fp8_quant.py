@@ -132,8 +132,9 @@ def _gelu_tanh_mul_quant_kernel(G, U, Q, S, sg, su, sq, D, BLOCK: tl.constexpr, 
         p, cols, mask = _gelu_mul_chunk(G, U, row, sg, su, 0, D, dt, BLOCK)
         fp8_quant_row_store(p, mask, Q + row * sq + cols, S + row)
     else:                   # pass 1: the row's amax; pass 2: the same values again, quantized
-        amax = 0.0
-        for c in tl.static_range(CHUNKS):
+        p, cols, mask = _gelu_mul_chunk(G, U, row, sg, su, 0, D, dt, BLOCK)
+        amax = tl.max(tl.where(mask, tl.abs(p), 0.0), axis=0)
+        for c in tl.static_range(1, CHUNKS):
             p, cols, mask = _gelu_mul_chunk(G, U, row, sg, su, c * BLOCK, D, dt, BLOCK)
             amax = tl.maximum(amax, tl.max(tl.where(mask, tl.abs(p), 0.0), axis=0))
         scale = fp8_row_scale(amax)
