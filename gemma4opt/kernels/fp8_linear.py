@@ -18,10 +18,9 @@ import os
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 
 from gemma4opt.kernels._util import pdl_flags, pdl_prologue, rows_view
-from gemma4opt.kernels.skinny_linear import row_dot_tile
+from gemma4opt.kernels.skinny_linear import bench_short, row_dot_tile, tile_configs
 
 MAX_ROWS = 32
 # The interpreter (CPU tests) runs one config, a while loop for K, and fp32 dot tiles (as in
@@ -124,27 +123,6 @@ _DOT = [(64, 128, 4, 1, 3, True), (64, 256, 4, 1, 3, True), (64, 128, 4, 1, 5, T
 MAX_SPLIT = 4
 
 
-def _configs():
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "SWAP": swap}, num_warps=w, num_stages=st)
-            for bn, bk, w, sk, st, swap in dict.fromkeys(_ROW_SUM + _DOT)]
-
-
-def _key(c):
-    k = c.kwargs
-    return k["BLOCK_N"], k["BLOCK_K"], c.num_warps, k["SPLIT_K"], c.num_stages, k["SWAP"]
-
-
-def _keep(configs, named_args, **kwargs):
-    """The row-sum path's configs for one row, tl.dot's for more."""
-    bm = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
-    want = set(_ROW_SUM if bm == 1 else _DOT)
-    return [c for c in configs if _key(c) in want] or configs
-
-
-def _bench(fn, quantiles=None):
-    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
-
-
 def _sum_splits(nargs, exception=None):
     """The split sum after a split config's kernel (also as the autotuner's post-hook, so a split
     config pays for its second kernel when configs are compared)."""
@@ -154,7 +132,8 @@ def _sum_splits(nargs, exception=None):
                                                      SPLIT_K=nargs["SPLIT_K"], BLOCK=512, **pdl_flags(y))
 
 
-_tuned = triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M"], do_bench=_bench, post_hook=_sum_splits,
+_CONFIGS, _keep = tile_configs(_ROW_SUM, _DOT)
+_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M"], do_bench=bench_short, post_hook=_sum_splits,
                          prune_configs_by={"early_config_prune": _keep})(_fp8_linear_kernel)
 
 

@@ -160,24 +160,25 @@ _DOT = [(64, 128, 4, 1, 3, True), (64, 128, 4, 1, 5, True), (64, 64, 4, 1, 5, Tr
 MAX_SPLIT = 4
 
 
-def _configs():
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "SWAP": swap}, num_warps=w, num_stages=st)
-            for bn, bk, w, sk, st, swap in dict.fromkeys(_ROW_SUM + _DOT)]
+def tile_configs(row_sum: list[tuple], dot: list[tuple]):
+    """Autotune configs from (BLOCK_N, BLOCK_K, warps, splits, stages, SWAP) tuples, and the prune
+    that keeps the row-sum path's configs for one row and tl.dot's for more (fp8_linear.py too)."""
+    configs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "SWAP": swap}, num_warps=w, num_stages=st)
+               for bn, bk, w, sk, st, swap in dict.fromkeys(row_sum + dot)]
+
+    def key(c):
+        k = c.kwargs
+        return k["BLOCK_N"], k["BLOCK_K"], c.num_warps, k["SPLIT_K"], c.num_stages, k["SWAP"]
+
+    def keep(configs, named_args, **kwargs):
+        bm = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
+        want = set(row_sum if bm == 1 else dot)
+        return [c for c in configs if key(c) in want] or configs
+
+    return configs, keep
 
 
-def _key(c):
-    k = c.kwargs
-    return k["BLOCK_N"], k["BLOCK_K"], c.num_warps, k["SPLIT_K"], c.num_stages, k["SWAP"]
-
-
-def _keep(configs, named_args, **kwargs):
-    """The row-sum path's configs for one row, tl.dot's for more."""
-    bm = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
-    want = set(_ROW_SUM if bm == 1 else _DOT)
-    return [c for c in configs if _key(c) in want] or configs
-
-
-def _bench(fn, quantiles=None):
+def bench_short(fn, quantiles=None):
     # Short runs: a warm-up tunes every decode GEMM shape (Triton's default spends ~0.13 s a config).
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
@@ -191,7 +192,8 @@ def _sum_splits(nargs, exception=None):
                                                      BLOCK=512, CAP=nargs.get("CAP", 0.0), **pdl_flags(y))
 
 
-_tuned = triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M"], do_bench=_bench, post_hook=_sum_splits,
+_CONFIGS, _keep = tile_configs(_ROW_SUM, _DOT)
+_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M"], do_bench=bench_short, post_hook=_sum_splits,
                          prune_configs_by={"early_config_prune": _keep})(_skinny_kernel)
 
 

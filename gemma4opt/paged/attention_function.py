@@ -28,8 +28,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout=0
                                       ctx.token_index)
     # The step's backend for this kind (StepContext picks it): Dynamo guards on which one it is,
     # so a step that picks another runs another graph.
+    scale = float(scaling if scaling is not None else module.scaling)
     out = ctx.route[kind].attend(query.transpose(1, 2), kv, meta, ctx.token_index, ctx.new_lens,
-                                 int(module.sliding_window or -1), float(scaling if scaling is not None else module.scaling))
+                                 int(module.sliding_window or -1), scale)
     return out, None
 
 

@@ -172,7 +172,8 @@ class FlashInferBackend(Backend):
         def full_plan():
             wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, h, kvh, d, self.page_size, causal=True,
                          window_left=self.window_left, sm_scale=self.scale, q_data_type=self.dtype,
-                         kv_data_type=self.geometry.kv_dtype, non_blocking=True, seq_lens=kv_lens, max_token_per_sequence=max_q)
+                         kv_data_type=self.geometry.kv_dtype, non_blocking=True, seq_lens=kv_lens,
+                         max_token_per_sequence=max_q)
 
         # FlashInfer JIT-compiles a kernel configuration on its first use (~30 s on a fresh machine).
         first = (h, kvh, d, getattr(wrapper, "_backend", None), graph) not in _FIRST_PLANS
