@@ -211,8 +211,6 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
         def graphs(gm, example_inputs):      # gemma4opt's decode graphs of the rewritten graph
             return decode_graphs.graphed_decode(state, target, gm, example_inputs)
 
-        if cfg.inductor:
-            graphs = True                      # Inductor's cudagraph trees
         state.decode_forward = torch.compile(_own_code_entry(target.forward),
                                              backend=make_backend(state, cfg.inductor, graphs), fullgraph=True)
     if paged:

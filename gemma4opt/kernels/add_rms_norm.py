@@ -13,12 +13,10 @@ from gemma4opt.kernels._util import pdl_flags, pdl_prologue, row_launch, rows_vi
 
 
 @triton.jit
-def _add_rms_norm_kernel(X, R, W1, SCALE, W2, S, N, sx, sr, ss, sn, D, eps1, eps2,
-                         HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < D
+def add_rms_norm_row(X, R, W1, SCALE, W2, S, row, sx, sr, ss, cols, mask, D, eps1, eps2,
+                     HAS_SCALE: tl.constexpr):
+    """One row: s = residual + rms_norm(x, w1) (times scale), stored to S; returns the second
+    norm rms_norm(s, w2) rounded to S's dtype, in fp32 (kernels/fp8_quant.py quantizes it)."""
     dt = S.dtype.element_ty
     # Every load first: at decode (one row, one program) the kernel is latency-bound, and a load
     # issued after a row reduction waits for it (4 dependent round trips otherwise, not 1).
@@ -35,7 +33,18 @@ def _add_rms_norm_kernel(X, R, W1, SCALE, W2, S, N, sx, sr, ss, sn, D, eps1, eps
         s = (s * scale).to(dt).to(tl.float32)
     tl.store(S + row * ss + cols, s.to(dt), mask=mask)
     inv2 = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / D + eps2)
-    tl.store(N + row * sn + cols, (s * inv2 * w2).to(dt), mask=mask)
+    return (s * inv2 * w2).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, R, W1, SCALE, W2, S, N, sx, sr, ss, sn, D, eps1, eps2,
+                         HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    n = add_rms_norm_row(X, R, W1, SCALE, W2, S, row, sx, sr, ss, cols, mask, D, eps1, eps2, HAS_SCALE)
+    tl.store(N + row * sn + cols, n.to(N.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm_triton(x, residual, weight, eps, scale, next_weight, next_eps):

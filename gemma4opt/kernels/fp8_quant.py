@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from gemma4opt.kernels._util import pdl_flags, pdl_prologue, row_launch, rows_view
+from gemma4opt.kernels.add_rms_norm import add_rms_norm_row
 from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_rounded
 
 # The same numbers as gemma4opt/ops/fp8.py (kernels import no ops; a test checks they agree).
@@ -93,22 +94,8 @@ def _add_rms_norm_quant_kernel(X, R, W1, SCALE, W2, S, Q, QS, sx, sr, ss, sq, D,
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
-    dt = S.dtype.element_ty
-    # As kernels/add_rms_norm.py, op for op; only the second norm's store differs.
-    x = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
-    r = tl.load(R + row * sr + cols, mask=mask, other=0.0).to(tl.float32)
-    w1 = tl.load(W1 + cols, mask=mask, other=0.0).to(tl.float32)
-    w2 = tl.load(W2 + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SCALE:
-        scale = tl.load(SCALE).to(tl.float32)
-    inv1 = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps1)
-    n1 = (x * inv1 * w1).to(dt).to(tl.float32)
-    s = (r + n1).to(dt).to(tl.float32)
-    if HAS_SCALE:
-        s = (s * scale).to(dt).to(tl.float32)
-    tl.store(S + row * ss + cols, s.to(dt), mask=mask)
-    inv2 = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / D + eps2)
-    n = (s * inv2 * w2).to(dt).to(tl.float32)
+    # kernels/add_rms_norm.py's arithmetic itself; only the second norm's store differs.
+    n = add_rms_norm_row(X, R, W1, SCALE, W2, S, row, sx, sr, ss, cols, mask, D, eps1, eps2, HAS_SCALE)
     fp8_quant_row_store(n, mask, Q + row * sq + cols, QS + row)
 
 

@@ -74,6 +74,7 @@ class StepContext:
         mirror of it [max_batch, ring], at a fixed address (decode graphs bake it), kept current
         by the table writes each step queues."""
         self.backends = backends
+        self._routes: dict[tuple, dict[str, Backend]] = {}
         self._meta_cache: dict[tuple, tuple] = {}   # bound metadata named the old tables
         kinds = [k for k, b in backends.items() if b.decode.reads_table]
         # One tensor for every kind's table (one scatter a step brings them up to date); each kind
@@ -180,12 +181,7 @@ class StepContext:
         """Pick each kind's backend, stage the step's arrays (one copy), bring the device page
         tables up to date, bind the backends' metadata and let them prepare (FlashInfer plans)."""
         graph = pad_to is not None
-        self.route = {kind: self.backends[kind].decode if kind in lens_slots or decode else self.backends[kind].prefill
-                      for kind in self.backends}
-        # A decode step whose rows a table backend cannot read goes to the kind's prefill backend.
-        for kind in host:
-            if kind in self.route and self.route[kind].reads_table:
-                self.route[kind] = self.backends[kind].prefill
+        self.route = self._route(tuple(lens_slots), decode)
         host = {kind: m for kind, m in host.items() if kind in self.route}    # kinds the model has
         # What a decode graph reads comes first: one entry per row, so every step of a bucket cuts
         # them at the same offsets and the graph reads them in place. Page lists, whose length
@@ -214,6 +210,18 @@ class StepContext:
         self.new_lens = dev["new_lens"] if reads_new else None
         for kind, backend in self.route.items():     # once per step per kind
             backend.prepare(host.get(kind), dev, pad_to)
+
+    def _route(self, table_kinds: tuple, decode: bool) -> dict[str, Backend]:
+        """Each kind's backend for a step (cached: a handful of step kinds). Kinds stepped through
+        the table run their decode backend; other decode steps run it unless it reads the table
+        (rows that are not 0..B-1), then, like prefill, the prefill backend."""
+        key = (table_kinds, decode)
+        route = self._routes.get(key)
+        if route is None:
+            route = self._routes[key] = {
+                kind: kb.decode if kind in table_kinds or (decode and not kb.decode.reads_table) else kb.prefill
+                for kind, kb in self.backends.items()}
+        return route
 
     def _take_updates(self) -> tuple[np.ndarray, np.ndarray] | None:
         """Every kind's queued device-table writes, as one (flat index, page id) pair or None."""
@@ -334,13 +342,10 @@ class StepContext:
         """Each kind's backends, what they did, and what was refused (the report's line)."""
         parts = []
         for kind, kb in self.backends.items():
-            def one(b):
-                stats = ", ".join(f"{k} {v}" for k, v in b.stats().items())
-                return f"{b.name} ({stats})" if stats else b.name
             if kb.prefill is kb.decode:
-                text = f"{kind.split('_')[0]}: {one(kb.prefill)} for prefill and decode"
+                text = f"{kind.split('_')[0]}: {_described(kb.prefill)} for prefill and decode"
             else:
-                text = f"{kind.split('_')[0]}: prefill {one(kb.prefill)}, decode {one(kb.decode)}"
+                text = f"{kind.split('_')[0]}: prefill {_described(kb.prefill)}, decode {_described(kb.decode)}"
             text += "".join(f", {name} refused: {why}" for name, why in kb.refused.items())
             parts.append(text)
         return "; ".join(parts)
@@ -355,6 +360,11 @@ class StepContext:
         """KV bytes the live pages of the current sequences (or of ``rows``) occupy, over every owning layer."""
         return sum(t.numel() // t.shape[0] * t.element_size() * self.seqs[self.layer_kind[layer]].pages_held(rows)
                    for layer, t in self.kv.items())
+
+
+def _described(backend: Backend) -> str:
+    stats = ", ".join(f"{k} {v}" for k, v in backend.stats().items())
+    return f"{backend.name} ({stats})" if stats else backend.name
 
 
 def _weak(cache):
