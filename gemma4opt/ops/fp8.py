@@ -26,7 +26,9 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
         amax = xf.new_zeros(xf.shape[:-1])
     else:
         amax = xf.abs().amax(-1)
-    scale = torch.clamp(amax / FP8_MAX, min=SCALE_MIN)
+    # A tensor divisor, not the Python float: CUDA divides by a CPU scalar as a multiply by its
+    # reciprocal (an ulp off a / 448 in many rows); a tensor divisor is IEEE division on every device.
+    scale = torch.clamp(amax / torch.full_like(amax, FP8_MAX), min=SCALE_MIN)
     q = torch.clamp(xf / scale.unsqueeze(-1), -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.contiguous(), scale.contiguous()
 

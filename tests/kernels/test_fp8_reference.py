@@ -6,7 +6,7 @@ import torch
 import gemma4opt.ops  # noqa: F401  (registers the ops)
 from gemma4opt.ops.fp8 import (FP8_DTYPE, FP8_MAX, SCALE_MIN, dequantize_rows_reference, fp8_linear_reference,
                                quantize_rows_reference, quantize_weight_reference)
-from tests.kernels.conftest import DTYPES
+from tests.kernels.conftest import DEVICE, DTYPES
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -123,3 +123,13 @@ def test_fake_matches_cpu_path(name, op, args):
     if isinstance(real, torch.Tensor):
         real, fake = (real,), (fake,)
     assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
+
+
+def test_row_scale_is_the_correctly_rounded_division_on_every_device():
+    # CUDA divides by a Python float as a multiply by its reciprocal, an ulp off in many rows; the
+    # kernels divide with div_rn, so the reference must too. amax / 448 in fp64 rounded to fp32 is
+    # the correctly rounded fp32 quotient.
+    x = torch.randn(4096, 8, generator=torch.Generator().manual_seed(3)).to(DEVICE) * 3
+    _, s = quantize_rows_reference(x)
+    want = (x.abs().amax(-1).double() / FP8_MAX).float().clamp_min(SCALE_MIN)
+    assert torch.equal(s, want)
