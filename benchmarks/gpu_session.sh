@@ -5,18 +5,22 @@
 # bench_attention) or $OUT/kernels.json, in the schema of benchmarks/results/ (see
 # benchmarks/results_page.py), to be appended to benchmarks/results/<suite>_<machine>.jsonl.
 #
-#   bash benchmarks/gpu_session.sh tests              # one suite per device call (<= 10 min each)
+#   bash benchmarks/gpu_session.sh tests-kernels      # one suite per device call (<= 10 min each)
 #   bash benchmarks/gpu_session.sh speed
-#   bash benchmarks/gpu_parallel.sh "tests" "speed"   # one suite per GPU of a multi-GPU machine
+#   bash benchmarks/gpu_parallel.sh "tests-gpu" "speed"   # one suite per GPU of a multi-GPU machine
 #
 # Suites (limits are per step; a fresh machine JIT-compiles FlashInfer first, ~30 s per kernel
 # configuration, ~2-3 min for the 31b's: keep suites that share configurations back to back while
 # the machine is warm):
-#   tests      tests/kernels compiled on the GPU (every Triton kernel, the PDL chain; limit 240 s),
-#              then tests/gpu but the paged file: generate (decode graphs, deferred stop, real
-#              dimensions), the skinny GEMM, the MoE decode kernels, the Triton decode kernel (330 s).
-#   tests-paged  tests/gpu/test_gpu_paged.py: FlashInfer numerics, paged generate == eager, sync-free
-#              decode, bucket graphs, fast replan (limit 540 s, most of it FlashInfer's JIT when fresh).
+#   tests-kernels  tests/kernels compiled on the GPU: every Triton kernel against its reference, the
+#              PDL chain (limit 560 s: ~400 tests, ~0.7 s each on a fresh machine, most of it compiling).
+#   tests-gpu  tests/gpu but the paged file: the decode kernel, generate features, fp8 ops, generate
+#              (tiny variants, decode graphs, deferred stop, real dimensions), the skinny GEMM, the MoE
+#              decode kernels (limit 560 s; the process's first Inductor compile took 135 s fresh).
+#   tests-paged  tests/gpu/test_gpu_paged.py's FlashInfer numerics and fast replan (head_dim 256, 512
+#              and 64: each new configuration JIT-compiles, ~100 s for head_dim 64 fresh; limit 560 s).
+#   tests-paged-generate  the rest of it: paged generate == eager below, at and past the window,
+#              sync-free decode, bucket graphs with a full pool, the fp32 refusal (limit 560 s).
 #   features   HF generate features on the one-liner, in CUDA graphs (tests/gpu/test_gpu_features.py:
 #              continuing a returned paged cache, assisted decoding with an optimized assistant and
 #              prompt lookup, tokens == eager; limit 300 s), then bench_assisted.py: e2b drafting for
@@ -57,14 +61,17 @@ stage() {
   timeout "$limit" "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/$name.log" | tail -40
   echo "== $name rc=${PIPESTATUS[0]}"
 }
-PYTEST="python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short"
+# -v: one line per test as it ends, so a step stopped by its limit still says what ran and passed.
+PYTEST="python3 -m pytest -v -rfE --durations=10 -p no:cacheprovider -p no:logging --tb=short"
 GEN="python3 benchmarks/bench_generate.py --preset"
+PAGED_KERNELS="flashinfer_matches_reference or fast_replan"
 for s in "$@"; do
   case $s in
-    tests)
-      stage tests-kernels 240 $PYTEST tests/kernels
-      stage tests-gpu 330 $PYTEST tests/gpu --ignore=tests/gpu/test_gpu_paged.py ;;
-    tests-paged) MAX_JOBS=16 stage tests-paged 540 $PYTEST -s tests/gpu/test_gpu_paged.py ;;
+    tests-kernels) stage tests-kernels 560 $PYTEST tests/kernels ;;
+    tests-gpu) stage tests-gpu 560 $PYTEST tests/gpu --ignore=tests/gpu/test_gpu_paged.py ;;
+    tests-paged) MAX_JOBS=16 stage tests-paged 560 $PYTEST -s tests/gpu/test_gpu_paged.py -k "$PAGED_KERNELS" ;;
+    tests-paged-generate)
+      MAX_JOBS=16 stage tests-paged-generate 560 $PYTEST -s tests/gpu/test_gpu_paged.py -k "not ($PAGED_KERNELS)" ;;
     speed)
       stage speed-oneliner 560 $GEN 31b --layers 12 --batch 1 32 \
             --systems gemma4opt gemma4opt-paged static_compile eager --json "$OUT/generate.jsonl"
@@ -94,6 +101,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-paged, features, speed, speed-presets, speed-31b-full, kernels, attention, profile)" ;;
+    *) echo "unknown suite $s (tests-kernels, tests-gpu, tests-paged, tests-paged-generate, features, speed, speed-presets, speed-31b-full, kernels, attention, profile)" ;;
   esac
 done

@@ -6,7 +6,7 @@ and the scales — one per token (row of x) and one per output channel (row of W
 in the epilogue: y[m, n] = acc[m, n] * x_scale[m] * w_scale[n], cast to the output dtype.
 
 M == 1: an fp32 multiply-and-row-sum. 2 <= M <= 32: ``tl.dot`` on the fp8 tiles (Hopper's fp8
-warpgroup MMA), W's rows as the dot's M side (SWAP) as in skinny_linear, K unsplit or split in 2
+warpgroup MMA, each instruction's partial promoted to the fp32 accumulator), W's rows as the dot's M side (SWAP) as in skinny_linear, K unsplit or split in 2
 or 4 (fp32 partials, summed in split order by a second kernel that applies the scales). The tile
 is autotuned per (N, K, row class) on the first call. ops/fp8_linear.py runs it for <= 32 rows
 and torch._scaled_mm above. Not used by optimize() yet.
@@ -42,10 +42,14 @@ def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm,
         x = tl.load(X + m[:, None] * sxm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         if not COMPILED:
             x, w = x.to(tl.float32), w.to(tl.float32)
+        # max_num_imprecise_acc=32: each fp8 wgmma (K = 32 per instruction) adds its partial to the
+        # fp32 accumulator. Triton's sm_90 default (2^30) keeps the whole K loop in the MMA's own
+        # accumulator, which adds with fewer bits than fp32 (DeepSeek-V3 measured ~14; 2.5e-4 relative
+        # at K = 72 on the H200); 0 would make Triton upcast to fp16 mma.sync. BLOCK_K >= 32 always.
         if SWAP:
-            acc += tl.dot(w, tl.trans(x))
+            acc += tl.dot(w, tl.trans(x), max_num_imprecise_acc=32)
         else:
-            acc += tl.dot(x, tl.trans(w))
+            acc += tl.dot(x, tl.trans(w), max_num_imprecise_acc=32)
     return acc
 
 
