@@ -9,6 +9,8 @@ from gemma4opt.patterns import PATTERN_NAMES
 _CACHES = ("auto", "dynamic", "static")
 _ATTENTION = ("auto", "hf", "paged")
 _DECODE_KERNELS = ("triton", "flashinfer", "auto")
+_QUANTIZATION = (None, "fp8")
+_KV_CACHE_DTYPES = ("auto", "fp8")
 
 # Defaults of the paged mode when the sizes are left unset (documented in the README).
 DEFAULT_MAX_BATCH = 256          # page-table rows: sequences one generate call may hold
@@ -76,6 +78,15 @@ class Gemma4OptConfig:
         "flashinfer": FlashInfer's decode, planned on the host before each step. "auto": Triton for
         kinds with head_dim <= 256 (sliding layers), FlashInfer for wider heads (the full layers'
         512). Prefill always runs FlashInfer.
+    quantization: ``None`` (default) keeps the model's weights. "fp8" (vLLM's name) quantizes, once
+        at optimize(), the linears of every attention block and dense MLP to e4m3 with one fp32
+        scale per output channel, in place: the bf16 weights are dropped, not kept beside the fp8
+        ones (so it cannot be undone: load the model again for bf16). Activations are quantized per
+        token, inside the kernel that produces them (rms_norm, the residual tail, gelu_tanh_mul).
+        Not quantized: the lm_head (tied to the embedding table, so an fp8 copy would add bytes),
+        the MoE experts, the router, and the per-layer-input (PLE) projections. ``report()`` lists it.
+    kv_cache_dtype: "auto" (default): the paged KV pool in the model's dtype. "fp8": in e4m3 (half
+        the bytes of bf16), with one fp32 scale per layer for k and one for v.
     """
 
     patterns: tuple[str, ...] | None = None
@@ -92,6 +103,8 @@ class Gemma4OptConfig:
     deferred_stop: bool | None = None
     fast_replan: bool = True
     decode_kernel: str = "triton"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         _check_fields(self)
@@ -124,6 +137,12 @@ class Gemma4OptConfig:
             reason = available()
             if reason is not None:
                 raise ValueError(f"Gemma4OptConfig.attention='paged' on CUDA needs FlashInfer: {reason}")
+        if self.kv_cache_dtype == "fp8" and not paged:
+            raise ValueError("Gemma4OptConfig.kv_cache_dtype='fp8' is the paged KV pool's dtype: it needs "
+                             f"attention='paged' (this model resolves to attention={attention!r}, where HF's "
+                             "cache holds the KV)")
+        if self.kv_cache_dtype == "fp8":
+            raise ValueError("Gemma4OptConfig.kv_cache_dtype='fp8': not supported yet; supported: ['auto']")
         if graphs and not on_cuda:
             raise ValueError("Gemma4OptConfig.cuda_graphs=True needs a CUDA model; this model is on " + device_type)
         max_batch = self.max_batch_size or DEFAULT_MAX_BATCH
@@ -187,6 +206,10 @@ def _check_fields(c: Gemma4OptConfig) -> None:
     for name, choices in (("cache", _CACHES), ("attention", _ATTENTION), ("decode_kernel", _DECODE_KERNELS)):
         if getattr(c, name) not in choices:
             fail(name, f"supported: {list(choices)}", ValueError if isinstance(getattr(c, name), str) else TypeError)
+    for name, choices in (("quantization", _QUANTIZATION), ("kv_cache_dtype", _KV_CACHE_DTYPES)):
+        if getattr(c, name) not in choices:
+            fail(name, f"supported: {list(choices)}",
+                 ValueError if getattr(c, name) is None or isinstance(getattr(c, name), str) else TypeError)
     for name in ("inductor", "cuda_graphs", "deferred_stop"):
         if getattr(c, name) is not None and not isinstance(getattr(c, name), bool):
             fail(name, "True, False or None (automatic)", TypeError)
