@@ -6,17 +6,19 @@ and the paged attention function's way back)::
     q = gemma4opt.rms_norm_rope(xq, wq, cos, sin, eps)
     k = gemma4opt.rms_norm_rope(xk, wk, cos, sin, eps)
     v = gemma4opt.rms_norm(xv, None, eps)                       # xv is xk with attention_k_eq_v
-    gemma4opt.kv_append(kv, k.T(1,2).T(1,2), v.T(1,2).T(1,2), slot_mapping, token_index)
+    gemma4opt.kv_append(kv, k.T(1,2).T(1,2), v.T(1,2).T(1,2), slot_mapping, token_index, kv_scale)
     out = gemma4opt.paged_attention(q.T(1,2).T(1,2), kv, ...)     # or the step's other backend's op
 
 Fused (one kernel: four launches per layer become one)::
 
-    q = gemma4opt.qkv_norm_rope_append(kv, xq, wq, xk, wk, xv, cos, sin, eps, slot_mapping, token_index)
+    q = gemma4opt.qkv_norm_rope_append(kv, xq, wq, xk, wk, xv, cos, sin, eps, slot_mapping, token_index, kv_scale)
     out = gemma4opt.paged_attention(q, kv, ...)
 
-Found from each kv_append; its attention is the backend op (``ATTENTION_OPS``) in the same attention module. Every
-intermediate must feed only the next step, q and k must use the same cos/sin, and the three norms
-one eps; otherwise the layer stays unfused, with the reason in the report.
+``kv_scale``: the layer's fp8 KV scales (None for a pool in the model's dtype), passed on.
+Found from each kv_append; its attention is the backend op (``ATTENTION_OPS``) in the same
+attention module. Every intermediate must feed only the next step, q and k must use the same
+cos/sin, and the three norms one eps; otherwise the layer stays unfused, with the reason in the
+report.
 """
 from __future__ import annotations
 
@@ -68,7 +70,8 @@ def _head_dim(node):
 
 def _match(append: fx.Node):
     """The pieces of one layer, or (None, why)."""
-    kv, kt, vt, slots, tok = append.args
+    kv, kt, vt, slots, tok, *rest = append.args
+    kv_scale = rest[0] if rest else append.kwargs.get("kv_scale")
     k, k_chain = _through_transposes(kt)
     if k is None or op_name(k) != _ROPE:
         return None, k_chain if k is None else "K is not a gemma4opt.rms_norm_rope"
@@ -90,7 +93,7 @@ def _match(append: fx.Node):
         return None, "q and k are rotated with different cos/sin"
     if len({eq, ek, ev}) != 1:
         return None, f"q/k/v norms have different eps ({eq}, {ek}, {ev})"
-    return dict(args=(kv, xq, wq, xk, wk, xv, cq, sq, eq, slots, tok), attn=attn[0], q=q, q_chain=q_chain,
+    return dict(args=(kv, xq, wq, xk, wk, xv, cq, sq, eq, slots, tok, kv_scale), attn=attn[0], q=q, q_chain=q_chain,
                 dead=[append, *k_chain, k, *v_chain, v]), ""
 
 

@@ -19,6 +19,11 @@ StepContext mirrors its changes to the device): token t of row b sits in page
 tokens; its query is the last one and sees tokens >= seq_len - window (HF's bound: the window
 counts the query itself). The host frees a sliding page only once no query can see it, so every
 slot the kernel reads holds a live page.
+
+An fp8 (e4m3) pool is read with the layer's scales ``kv_scale`` [k, v] fp32: tiles are converted
+to the queries' dtype (exact: every e4m3 value is a bf16, fp16 and fp32 value) and the scales
+are applied once, not per element: k's folded into the softmax scale, v's on the output (the
+reference, ops/kv_append.py, multiplies the values; equal up to rounding, exactly at scale 1).
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ _COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
 
 @triton.jit
 def _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, scale, m_i, l_i, acc, d,
-          PS: tl.constexpr, BLOCK_N: tl.constexpr, COMPILED: tl.constexpr, IEEE: tl.constexpr):
+          PS: tl.constexpr, BLOCK_N: tl.constexpr, COMPILED: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
     """One BLOCK_N-token tile of the online softmax (tokens gathered through the page table)."""
     t = t0 + tl.arange(0, BLOCK_N)
     tmask = t < end
@@ -47,6 +52,8 @@ def _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head
     base = page.to(tl.int64) * s_page + (t % PS) * s_tok + kh * s_head
     k = tl.load(KV + base[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
     v = tl.load(KV + s_kv + base[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
+    if FP8:         # e4m3 -> the queries' dtype, exactly; the scales are applied by the caller
+        k, v = k.to(q.dtype), v.to(q.dtype)
     if not COMPILED:
         q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
     if IEEE:        # fp32 models: exact products (Triton's default for fp32 dots is TF32, ~1e-3 off)
@@ -66,14 +73,17 @@ def _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head
 
 
 @triton.jit
-def _decode_split_kernel(Q, KV, TABLE, LENS, O, OP, LSE,
+def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE,
                          sq_b, sq_h, s_page, s_kv, s_tok, s_head, s_table, ring, so_b, so_h, sp_b, sp_h, sp_s,
                          sl_b, sl_h, window, scale,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
                          BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, TOKENS: tl.constexpr, COMPILED: tl.constexpr,
-                         IEEE: tl.constexpr, PDL: tl.constexpr):
+                         IEEE: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
+    qk_scale = scale
+    if FP8:         # k's scale multiplies every score: folded into the softmax scale
+        qk_scale = scale * tl.load(KV_SCALE)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
     kv_len = tl.load(LENS + b)
@@ -95,16 +105,18 @@ def _decode_split_kernel(Q, KV, TABLE, LENS, O, OP, LSE,
     acc = tl.zeros([G_PAD, D], tl.float32)
     if COMPILED:
         for t0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, scale,
-                                  m_i, l_i, acc, d, PS, BLOCK_N, COMPILED, IEEE)
+            m_i, l_i, acc = _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, qk_scale,
+                                  m_i, l_i, acc, d, PS, BLOCK_N, COMPILED, IEEE, FP8)
     else:
         t0 = start
         while t0 < end:
-            m_i, l_i, acc = _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, scale,
-                                  m_i, l_i, acc, d, PS, BLOCK_N, COMPILED, IEEE)
+            m_i, l_i, acc = _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, qk_scale,
+                                  m_i, l_i, acc, d, PS, BLOCK_N, COMPILED, IEEE, FP8)
             t0 += BLOCK_N
     empty = l_i == 0.0              # a split past the end (or a chunk with nothing visible)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if FP8:         # v's scale: on the (partial) output, which the merge combines linearly
+        out = out * tl.load(KV_SCALE + 1)
     if NSPLIT == 1:
         tl.store(O + b * so_b + heads[:, None] * so_h + d[None, :], out.to(O.dtype.element_ty), mask=gmask[:, None])
     else:
@@ -160,11 +172,13 @@ def launch_config(head_dim: int, rows: int) -> dict:
 
 def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor,
                         window: int, scale: float, num_sms: int, splits: int | None = None,
-                        config: dict | None = None, tokens: int = 1) -> torch.Tensor:
+                        config: dict | None = None, tokens: int = 1,
+                        kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]; kv [pages, 2, page_size, kv_heads, D]; table [>= B / tokens, ring]
     and seq_lens [B] int32. Row b of q is the query of table row ``b // tokens`` that sees the first
     ``seq_lens[b]`` tokens: ``tokens`` > 1 runs a step of that many new tokens per sequence (a draft
-    to verify) as rows of one token each, query t of a sequence seeing its past and new tokens <= t."""
+    to verify) as rows of one token each, query t of a sequence seeing its past and new tokens <= t.
+    An fp8 (e4m3) pool needs ``kv_scale`` [2] fp32, the layer's k and v scales."""
     B, H, D = q.shape
     if B % tokens:
         raise ValueError(f"gemma4opt paged decode: {B} query rows are not a whole number of {tokens}-token steps")
@@ -175,6 +189,9 @@ def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, 
     why = supported(H, kvh, D)
     if why is not None or dk != D:
         raise ValueError(f"gemma4opt paged decode: {why or f'q head_dim {D} != KV head_dim {dk}'}")
+    fp8 = kv.dtype == torch.float8_e4m3fn
+    if fp8 and kv_scale is None:
+        raise ValueError("gemma4opt paged decode: an fp8 KV pool needs kv_scale (the layer's k and v scales)")
     group = H // kvh
     out = torch.empty_like(q)
     if B == 0:
@@ -186,12 +203,12 @@ def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, 
     part = torch.empty(*shape, D if n > 1 else 1, dtype=torch.float32, device=q.device)
     lse = torch.empty(shape, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(B, kvh, n)](
-        q, kv, table, seq_lens, out, part, lse,
+        q, kv, kv_scale if fp8 else kv, table, seq_lens, out, part, lse,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), table.stride(0),
         table.shape[1], out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1), window, scale,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, PS=ps, BLOCK_N=cfg["block_n"], NSPLIT=n,
-        TOKENS=tokens, COMPILED=_COMPILED, IEEE=q.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        TOKENS=tokens, COMPILED=_COMPILED, IEEE=q.dtype == torch.float32, FP8=fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_flags(out))
     if n > 1:
         block_d = min(D, 64)

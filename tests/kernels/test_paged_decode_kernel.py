@@ -125,3 +125,57 @@ def test_table_reference_matches_the_page_list_reference(case):
                                      torch.tensor(lens), window or None, 0.7)
     got = paged_decode_reference(q, kv, table, torch.tensor(lens, dtype=torch.int32), window, 0.7)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _fp8_pool(kv, scales):
+    """kv quantized as kv_append stores it: k with scales[0], v with scales[1]."""
+    from gemma4opt.ops.kv_append import kv_quantize
+
+    s = torch.tensor(scales, dtype=torch.float32)
+    return torch.stack([kv_quantize(kv[:, 0], s[0]), kv_quantize(kv[:, 1], s[1])], 1), s
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.05, 3.0)])
+def test_fp8_pool_matches_reference(dtype, case, scales):
+    """An fp8 pool, dequantized with the layer's scales: the kernel (scales folded into the softmax
+    scale and the output) against both references (which multiply the values)."""
+    from gemma4opt.paged.backends.triton import paged_decode_reference
+
+    lens, ps, H, kvh, D, window, splits, ring = case
+    g = torch.Generator().manual_seed(sum(lens) + D + 5)
+    kv, table, (indptr, indices, last, start) = _batch(lens, ps, kvh, D, torch.float32, window, g, ring)
+    kv8, kv_scale = _fp8_pool(kv * 2, scales)
+    q = torch.randn(len(lens), H, D, generator=g).to(dtype)
+    lens32 = torch.tensor(lens, dtype=torch.int32)
+    want = paged_attention_reference(q.float(), kv8, indptr, indices, last, start,
+                                     torch.arange(len(lens) + 1, dtype=torch.int32), torch.tensor(lens),
+                                     window or None, 0.7, kv_scale)
+    table_ref = paged_decode_reference(q.float(), kv8, table, lens32, window, 0.7, kv_scale=kv_scale)
+    torch.testing.assert_close(table_ref, want, rtol=1e-5, atol=1e-5)
+    got = paged_decode_triton(*(t.to(DEVICE) for t in (q, kv8, table, lens32)), window=window, scale=0.7, num_sms=4,
+                              splits=splits, kv_scale=kv_scale.to(DEVICE))
+    close(got.cpu(), want, dtype)
+
+
+@pytest.mark.parametrize("case", MULTI[:2])
+def test_fp8_pool_multi_token_rows(case):
+    lens, T, ps, H, kvh, D, window, splits = case
+    g = torch.Generator().manual_seed(sum(lens) + T + 9)
+    kv, table, (indptr, indices, last, start) = _batch(lens, ps, kvh, D, torch.float32, window and window + T - 1, g)
+    kv8, kv_scale = _fp8_pool(kv, (0.5, 0.25))
+    q = torch.randn(len(lens) * T, H, D, generator=g).to(torch.bfloat16)
+    qo = torch.arange(0, len(lens) * T + 1, T, dtype=torch.int32)
+    want = paged_attention_reference(q.float(), kv8, indptr, indices, last, start, qo, torch.tensor(lens),
+                                     window or None, 0.5, kv_scale)
+    rows = torch.tensor([n - T + t + 1 for n in lens for t in range(T)], dtype=torch.int32)
+    got = paged_decode_triton(*(t.to(DEVICE) for t in (q, kv8, table, rows)), window=window, scale=0.5, num_sms=4,
+                              splits=splits, tokens=T, kv_scale=kv_scale.to(DEVICE))
+    close(got.cpu(), want, torch.bfloat16)
+
+
+def test_fp8_pool_needs_scales():
+    with pytest.raises(ValueError, match="needs kv_scale"):
+        paged_decode_triton(torch.zeros(1, 2, 16), torch.zeros(1, 2, 4, 1, 16).to(torch.float8_e4m3fn),
+                            torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0, 1.0, 4)

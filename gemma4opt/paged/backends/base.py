@@ -34,7 +34,7 @@ class KindGeometry:
     page_size: int
     window: int | None         # sliding window (HF's bound: it counts the query itself), None for full
     dtype: torch.dtype         # queries and outputs
-    kv_dtype: torch.dtype      # the KV pool's
+    kv_dtype: torch.dtype      # the KV pool's: ``dtype``, or float8_e4m3fn (kv_cache_dtype="fp8")
     scale: float = 1.0
     last_token_layers: bool = False   # KV-shared layers that query only the last token at prefill
     device: str = "cpu"
@@ -64,9 +64,11 @@ class Backend:
         (named ``"{kind}.{field}"``), ``pad_to`` the rows of a graphed step (None: not graphed)."""
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor, meta: dict[str, torch.Tensor], token_index: torch.Tensor,
-               new_lens: torch.Tensor | None, window: int, scale: float) -> torch.Tensor:
+               new_lens: torch.Tensor | None, window: int, scale: float, kv_scale: torch.Tensor | None = None,
+               layer: int = -1) -> torch.Tensor:
         """One layer's attention: ``q`` [B, T, heads, D] -> [B, T, heads, D]. Runs inside the traced
-        forward: calls this backend's op, passing what it reads and nothing else."""
+        forward: calls this backend's op, passing what it reads and nothing else. An fp8 pool comes
+        with ``kv_scale``, the [k, v] fp32 scales of ``layer`` (the layer that owns ``kv``)."""
         raise NotImplementedError
 
     def stats(self) -> dict[str, object]:
