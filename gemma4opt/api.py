@@ -22,6 +22,7 @@ from gemma4opt.fixed_tensors import FixedTensors
 from gemma4opt.ops.state import OpState, active
 from gemma4opt.paged.forward import is_paged, paged_forward
 from gemma4opt.paged.install import check_paged_supported, install_paged
+from gemma4opt.paged.pool import kv_pool_dtype
 from gemma4opt.paged.step import StepContext
 from gemma4opt.patterns import build_patterns
 from gemma4opt.runtime import decode_graphs
@@ -164,13 +165,13 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
     own_configs(model, edits)       # first: everything below writes to the model's own copies
     text_config = model.config.get_text_config()
     if user_config.attention == "auto":
-        attention, mode_reason = choose_attention(device.type, dtype, text_config)
+        attention, mode_reason = choose_attention(device.type, dtype, text_config, user_config.kv_cache_dtype)
         cfg = dataclasses.replace(user_config, attention=attention).resolve(device.type, dtype, text_config)
     else:
         cfg = user_config.resolve(device.type, dtype, text_config)
         mode_reason = f"attention={cfg.attention!r} (set in Gemma4OptConfig)"
     if cfg.attention == "paged":
-        check_paged_supported(device, dtype, text_config)
+        check_paged_supported(device, dtype, text_config, kv_pool_dtype(cfg.kv_cache_dtype, dtype))
     scope = "causal_lm" if target is model else "text_model"
     state = OptimizationState(cfg, type(model).__name__, scope, text_config)
     state.user_config, state.mode_reason, state.edits = user_config, mode_reason, edits

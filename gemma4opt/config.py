@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gemma4opt.paged.pool import CPU_KV_POOL_BYTES  # noqa: F401  (the CPU pool's cap, documented below)
+from gemma4opt.paged.pool import CPU_KV_POOL_BYTES, kv_pool_dtype  # noqa: F401  (CPU_KV_POOL_BYTES: documented below)
 from gemma4opt.patterns import PATTERN_NAMES
 
 _CACHES = ("auto", "dynamic", "static")
@@ -86,7 +86,11 @@ class Gemma4OptConfig:
         Not quantized: the lm_head (tied to the embedding table, so an fp8 copy would add bytes),
         the MoE experts, the router, and the per-layer-input (PLE) projections. ``report()`` lists it.
     kv_cache_dtype: "auto" (default): the paged KV pool in the model's dtype. "fp8": in e4m3 (half
-        the bytes of bf16), with one fp32 scale per layer for k and one for v.
+        the bytes of bf16: a memory budget holds twice the tokens), with one fp32 scale per layer for
+        k and one for v, 1.0 by default (Gemma-4 RMS-normalizes k and v per head, so they are O(1));
+        k and v are quantized as they are appended and dequantized by the attention kernels. Needs
+        attention="paged" (HF's cache holds the KV otherwise). ``report()`` shows the KV dtype and
+        bytes per token and per sequence.
     """
 
     patterns: tuple[str, ...] | None = None
@@ -119,7 +123,7 @@ class Gemma4OptConfig:
         on_cuda = device_type == "cuda"
         attention = self.attention
         if attention == "auto":
-            attention = choose_attention(device_type, dtype, text_config)[0]
+            attention = choose_attention(device_type, dtype, text_config, self.kv_cache_dtype)[0]
         paged = attention == "paged"
         if paged and self.cache == "static":
             raise ValueError("Gemma4OptConfig: cache='static' and attention='paged' exclude each other (the paged "
@@ -141,8 +145,6 @@ class Gemma4OptConfig:
             raise ValueError("Gemma4OptConfig.kv_cache_dtype='fp8' is the paged KV pool's dtype: it needs "
                              f"attention='paged' (this model resolves to attention={attention!r}, where HF's "
                              "cache holds the KV)")
-        if self.kv_cache_dtype == "fp8":
-            raise ValueError("Gemma4OptConfig.kv_cache_dtype='fp8': not supported yet; supported: ['auto']")
         if graphs and not on_cuda:
             raise ValueError("Gemma4OptConfig.cuda_graphs=True needs a CUDA model; this model is on " + device_type)
         max_batch = self.max_batch_size or DEFAULT_MAX_BATCH
@@ -166,7 +168,7 @@ class Gemma4OptConfig:
                                    max_seq_len=max_seq, kv_pool_fraction=fraction)
 
 
-def choose_attention(device_type: str, dtype, text_config) -> tuple[str, str]:
+def choose_attention(device_type: str, dtype, text_config, kv_cache_dtype: str = "auto") -> tuple[str, str]:
     """attention="auto": ("paged" or "hf", why), the fastest mode that runs this model here."""
     if device_type != "cuda":
         return "hf", (f"auto on {device_type}: HF attention (the paged mode's {device_type} path is a reference; "
@@ -178,7 +180,7 @@ def choose_attention(device_type: str, dtype, text_config) -> tuple[str, str]:
     if why is not None:
         return "hf", (f"auto on CUDA: HF attention, because the paged mode needs FlashInfer: {why} "
                       "(pip install 'gemma4opt[gpu]')")
-    why = paged_unsupported(dtype, text_config)
+    why = paged_unsupported(dtype, text_config, kv_pool_dtype(kv_cache_dtype, dtype))
     if why is not None:
         return "hf", f"auto on CUDA: HF attention, because {why}"
     return "paged", "auto on CUDA: paged KV cache (FlashInfer prefill, Triton decode, CUDA graphs)"

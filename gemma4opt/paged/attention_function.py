@@ -21,16 +21,18 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout=0
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
     kind = module.layer_type
-    kv = ctx.kv[ctx.producer[module.layer_idx]]
+    owner = ctx.producer[module.layer_idx]       # KV-shared layers read their producer's pages
+    kv = ctx.kv[owner]
+    kv_scale = ctx.kv_scale.get(owner)           # an fp8 pool's [k, v] scales; None otherwise
     meta = ctx.meta[kind]
     if not module.is_kv_shared_layer:
         torch.ops.gemma4opt.kv_append(kv, key.transpose(1, 2), value.transpose(1, 2), meta["slot_mapping"],
-                                      ctx.token_index)
+                                      ctx.token_index, kv_scale)
     # The step's backend for this kind (StepContext picks it): Dynamo guards on which one it is,
     # so a step that picks another runs another graph.
     scale = float(scaling if scaling is not None else module.scaling)
     out = ctx.route[kind].attend(query.transpose(1, 2), kv, meta, ctx.token_index, ctx.new_lens,
-                                 int(module.sliding_window or -1), scale)
+                                 int(module.sliding_window or -1), scale, kv_scale, owner)
     return out, None
 
 

@@ -15,11 +15,11 @@ from gemma4opt.paged.step import StepContext
 from gemma4opt.step_inputs import cache_of, generation_config_of
 
 
-def check_paged_supported(device, dtype, text_config) -> None:
+def check_paged_supported(device, dtype, text_config, kv_dtype=None) -> None:
     """Refuse, before the model changes, what FlashInfer cannot run (the CPU reference runs anything)."""
     if device.type != "cuda":
         return
-    why = paged_unsupported(dtype, text_config)
+    why = paged_unsupported(dtype, text_config, kv_dtype)
     if why is not None:
         raise ValueError(f"Gemma4OptConfig.attention='paged' on CUDA: {why}")
 

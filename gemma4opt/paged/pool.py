@@ -3,10 +3,17 @@
 Per attention kind (sliding / full) the pool holds pages of ``page_size`` tokens for every layer
 that owns KV (KV-shared layers read their producer's pages and own none), sized from free GPU
 memory or the config (``pool_pages``).
+
+``kv_cache_dtype="fp8"`` stores the pages in float8_e4m3fn (1 byte an element: a memory budget
+holds twice the pages of bf16), with one fp32 scale for k and one for v per layer that owns KV
+(``allocate_kv_scales``; ops/kv_append.py states the quantization and why 1.0 is a sound default
+for Gemma-4).
 """
 from __future__ import annotations
 
 import torch
+
+from gemma4opt.ops.kv_append import KV_FP8
 
 CPU_KV_POOL_BYTES = 1 << 30      # the CPU pool's cap (the CPU paged path is a reference, not a server)
 
@@ -34,17 +41,26 @@ def free_device_memory(device) -> int | None:
     return torch.cuda.mem_get_info(device)[0] + cached
 
 
-def pool_pages(cfg, oc, dtype, free_bytes: int | None) -> int:
+def kv_pool_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The pool's dtype for Gemma4OptConfig.kv_cache_dtype: "auto" the model's, "fp8" e4m3."""
+    return KV_FP8 if kv_cache_dtype == "fp8" else dtype
+
+
+def token_bytes(cfg, kv_dtype: torch.dtype) -> dict[int, int]:
+    """layer -> bytes of one token's K and V in the pool, for the layers that own KV."""
+    return {layer: 2 * cfg.per_layer_config[layer].num_key_value_heads * cfg.per_layer_config[layer].head_dim
+            * kv_dtype.itemsize for layer, owner in kv_producers(cfg).items() if layer == owner}
+
+
+def pool_pages(cfg, oc, kv_dtype, free_bytes: int | None) -> int:
     """Pages per attention kind: kv_pool_pages; else max_batch_size full-length sequences, capped at
     kv_pool_fraction of ``free_bytes`` (GPU) or at CPU_KV_POOL_BYTES (``free_bytes`` None: CPU);
-    without a fraction, refused with the sizes when they cannot fit in 90 % of ``free_bytes``."""
+    without a fraction, refused with the sizes when they cannot fit in 90 % of ``free_bytes``.
+    ``kv_dtype`` is the pool's (its itemsize counts: fp8 pages take half of bf16's bytes)."""
     if oc.kv_pool_pages:
         return oc.kv_pool_pages
     pages = oc.max_batch_size * (-(-oc.max_seq_len // oc.page_size) + 1)
-    elem = dtype.itemsize
-    page_bytes = sum(2 * oc.page_size * cfg.per_layer_config[layer].num_key_value_heads
-                     * cfg.per_layer_config[layer].head_dim * elem
-                     for layer, owner in kv_producers(cfg).items() if layer == owner)   # one page, every layer
+    page_bytes = oc.page_size * sum(token_bytes(cfg, kv_dtype).values())      # one page, every layer
     if free_bytes is None:
         return max(2, min(pages, CPU_KV_POOL_BYTES // page_bytes))
     if oc.kv_pool_fraction is not None:
@@ -72,3 +88,8 @@ def allocate_kv(cfg, n_pages: int, page_size: int, device, dtype) -> dict[int, t
             kv[layer] = torch.zeros(n_pages, 2, page_size, lc.num_key_value_heads, lc.head_dim, device=device,
                                     dtype=dtype)
     return kv
+
+
+def allocate_kv_scales(kv: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """layer -> its fp8 pages' scales [k, v] (fp32, on the pool's device), 1.0 each: see the module doc."""
+    return {layer: torch.ones(2, dtype=torch.float32, device=t.device) for layer, t in kv.items()}

@@ -16,7 +16,8 @@ import torch
 from gemma4opt.fixed_tensors import FixedTensors
 from gemma4opt.paged.backends import KINDS, KindBackends, choose, geometries
 from gemma4opt.paged.backends.base import Backend, is_prefix
-from gemma4opt.paged.pool import allocate_kv, free_device_memory, kv_producers, pool_pages
+from gemma4opt.paged.pool import (allocate_kv, allocate_kv_scales, free_device_memory, kv_pool_dtype, kv_producers,
+                                   pool_pages, token_bytes)
 from gemma4opt.paged.staging import HostStaging
 from gemma4opt.paged.tables import PagedSequences, PagePool, StepMeta
 
@@ -32,15 +33,23 @@ class StepContext:
         self.page_size = oc.page_size
         self.max_batch = oc.max_batch_size
         self.max_seq_len = oc.max_seq_len
-        n_pages = pool_pages(cfg, oc, dtype, free_device_memory(device))
+        self.kv_dtype = kv_pool_dtype(oc.kv_cache_dtype, dtype)
+        n_pages = pool_pages(cfg, oc, self.kv_dtype, free_device_memory(device))
         windows = {"sliding_attention": cfg.sliding_window, "full_attention": None}
         self.seqs = {k: PagedSequences(PagePool(n_pages, oc.page_size, f"{k} KV pool"), self.max_batch,
                                        oc.max_seq_len, windows[k]) for k in KINDS}
         self.producer = kv_producers(cfg)
+        self._cfg = cfg
         self.layer_kind = list(cfg.layer_types)
-        self.kv = allocate_kv(cfg, n_pages, oc.page_size, device, dtype)
-        for t in self.kv.values():
-            self.fixed.add(t)                    # decode graphs bake the pool's address
+        self.kv = allocate_kv(cfg, n_pages, oc.page_size, device, self.kv_dtype)
+        # An fp8 pool's scales, per layer that owns KV: [k, v] fp32 on the device (what kv_append,
+        # the reference and the Triton kernel read), and the same values on the host (FlashInfer
+        # takes them as floats). set_kv_scales changes both. Empty for a pool in the model's dtype.
+        self.kv_scale = allocate_kv_scales(self.kv) if self.kv_dtype != dtype else {}
+        self.kv_scale_host = {layer: (1.0, 1.0) for layer in self.kv_scale}
+        self._stepped = False
+        for t in (*self.kv.values(), *self.kv_scale.values()):
+            self.fixed.add(t)                    # decode graphs bake the pool's (and scales') addresses
         # Decode graphs pad a batch to its bucket with rows of a dummy sequence: one page per kind,
         # taken now, while the pool is empty, so padding never needs a free page later.
         self.buckets = tuple(oc.decode_buckets or ()) if oc.cuda_graphs else ()
@@ -64,7 +73,7 @@ class StepContext:
         self._arange_dev: dict[int, torch.Tensor] = {}
         for b in self.buckets:
             self._arange(b)
-        self.use_backends(choose(geometries(cfg, oc.page_size, device, dtype), self.device.type == "cuda",
+        self.use_backends(choose(geometries(cfg, oc.page_size, device, dtype, self.kv_dtype), self.device.type == "cuda",
                                  oc.decode_kernel, max_pages=n_pages + self.max_batch, max_batch=self.max_batch,
                                  fast_replan=oc.fast_replan))
 
@@ -74,6 +83,9 @@ class StepContext:
         mirror of it [max_batch, ring], at a fixed address (decode graphs bake it), kept current
         by the table writes each step queues."""
         self.backends = backends
+        for kb in backends.values():
+            for b in (kb.prefill, kb.decode):
+                b.kv_scale_host = self.kv_scale_host     # FlashInfer reads the scales as host floats
         self._routes: dict[tuple, dict[str, Backend]] = {}
         self._meta_cache: dict[tuple, tuple] = {}   # bound metadata named the old tables
         kinds = [k for k, b in backends.items() if b.decode.reads_table]
@@ -180,6 +192,7 @@ class StepContext:
     def _stage_step(self, host, lens_slots, new, token_index, pad_to, decode: bool = True) -> None:
         """Pick each kind's backend, stage the step's arrays (one copy), bring the device page
         tables up to date, bind the backends' metadata and let them prepare (FlashInfer plans)."""
+        self._stepped = True
         graph = pad_to is not None
         self.route = self._route(tuple(lens_slots), decode)
         host = {kind: m for kind, m in host.items() if kind in self.route}    # kinds the model has
@@ -355,6 +368,40 @@ class StepContext:
         """The live PagedCache that took rows last, or None."""
         cache = self._owner() if self._owner is not None else None
         return cache if cache is not None and cache.rows is not None else None
+
+    def set_kv_scales(self, layer: int, k_scale: float, v_scale: float) -> None:
+        """Set the fp8 pool's scales of ``layer`` (one that owns KV), e.g. calibrated ones: stored
+        values are x / scale. Only before the first step: what the pool holds was quantized with
+        the old scales, and a FlashInfer decode graph keeps the floats it was captured with."""
+        if not self.kv_scale:
+            raise ValueError("gemma4opt: KV scales are the fp8 pool's (Gemma4OptConfig(kv_cache_dtype='fp8')); "
+                             f"this pool is {self.kv_dtype}")
+        if layer not in self.kv_scale:
+            raise ValueError(f"gemma4opt: layer {layer} owns no KV (KV-shared layers read their producer's pages); "
+                             f"layers with scales: {sorted(self.kv_scale)}")
+        if self._stepped:
+            raise RuntimeError("gemma4opt: set KV scales before the model's first paged step (the pool holds values "
+                               "quantized with the old ones; decode graphs keep FlashInfer's)")
+        for s in (k_scale, v_scale):
+            if not (isinstance(s, (int, float)) and 0 < float(s) < float("inf")):
+                raise ValueError(f"gemma4opt: a KV scale must be a positive finite number, got {s!r}")
+        self.kv_scale[layer].copy_(torch.tensor([float(k_scale), float(v_scale)]))
+        self.kv_scale_host[layer] = (float(k_scale), float(v_scale))
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's K and V take in the pool, over every layer that owns KV."""
+        return sum(token_bytes(self._cfg, self.kv_dtype).values())
+
+    def kv_bytes_per_sequence(self, tokens: int) -> int:
+        """Pool bytes a sequence of ``tokens`` tokens holds at its end: full layers keep every
+        page, sliding layers the pages their window spans (as the tables free them; a cache that
+        records its past for HF's crops keeps a little more)."""
+        ps, out = self.page_size, 0
+        for layer, b in token_bytes(self._cfg, self.kv_dtype).items():
+            window = self.seqs[self.layer_kind[layer]].window
+            first = max(tokens - (window - 1), 0) // ps if window else 0    # the first page the window sees
+            out += (-(-tokens // ps) - first) * ps * b
+        return out
 
     def kv_bytes_held(self, rows=None) -> int:
         """KV bytes the live pages of the current sequences (or of ``rows``) occupy, over every owning layer."""

@@ -39,11 +39,12 @@ def geometries(text_config, page_size: int, device, dtype, kv_dtype=None) -> dic
     return out
 
 
-def paged_unsupported(dtype, text_config) -> str | None:
-    """Why the CUDA paged path (FlashInfer prefill) cannot run this model, or None."""
+def paged_unsupported(dtype, text_config, kv_dtype=None) -> str | None:
+    """Why the CUDA paged path (FlashInfer prefill) cannot run this model (with a pool of
+    ``kv_dtype``, default the model's), or None."""
     from gemma4opt.paged.backends.flashinfer import FlashInferBackend
 
-    for g in geometries(text_config, 1, "cuda", dtype).values():
+    for g in geometries(text_config, 1, "cuda", dtype, kv_dtype).values():
         why = FlashInferBackend.refuses(g)
         if why is not None:
             return why

@@ -49,6 +49,9 @@ class Backend:
     device_fields: tuple[str, ...] = ()           # page-list fields its op or its prepare reads on the device
     op_fields: tuple[str, ...] = ()               # of those, the ones its op takes (the rest only prepare reads)
     needs_new_lens = False                        # its op reads the new tokens per sequence
+    # An fp8 pool's scales as host floats, layer -> (k, v): the StepContext's, which it hands to
+    # every backend it uses (FlashInfer takes scales as floats; the others read the device tensors).
+    kv_scale_host: dict[int, tuple[float, float]] | None = None
 
     def __init__(self, geometry: KindGeometry):
         self.geometry = geometry

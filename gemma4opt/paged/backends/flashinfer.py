@@ -9,11 +9,22 @@ producer's pages with it. Sliding and full layers need separate wrappers anyway:
 bakes ``window_left`` into the plan. Head dims: 256 (prefill on FA3 on Hopper) and 512 (FA2; FA3 has no
 512). ``window_left = window - 1`` matches HF's bound (a query sees itself and window-1 keys back).
 
-``gemma4opt::paged_attention_flashinfer(q, kv, token_index, handle)``: q [B, Tq, H, D]; the step's
+``gemma4opt::paged_attention_flashinfer(q, kv, token_index, handle, layer)``: q [B, Tq, H, D]; the step's
 real rows are ``token_index`` of q flattened (left padding is not planned; its rows come out
 zero), or Tq = 1 where HF runs a KV-shared layer on the last token only. Custom ops take no Python
 objects: ``handle`` names the backend in a weak table (an address book only: each backend's state
-is its own, and a model's backends go with it).
+is its own, and a model's backends go with it). ``layer`` is the layer that owns ``kv``: an fp8
+pool's scales are looked up by it.
+
+An fp8 (e4m3) pool (kv_cache_dtype="fp8"): plans say ``kv_data_type=float8_e4m3fn`` and every
+wrapper is FA2 (FlashInfer 0.6's FA3 reads fp8 KV only with fp8 queries; FA2 converts the pages
+to the queries' dtype in shared memory), and ``run`` gets the layer's scales as
+``k_scale``/``v_scale``: FlashInfer folds k's into the softmax scale and multiplies the output by
+v's. It takes them as Python floats (a tensor k_scale would become the kernel's double sm_scale),
+so they come from the StepContext's host copy (``kv_scale_host``), not the device tensors the
+other backends read; a decode graph keeps the floats it was captured with, which is why scales
+are set before the first step (StepContext.set_kv_scales). FlashInfer's FA2 cannot load fp8
+pages at head_dim 64 (prefill.cuh's produce_kv): refused.
 
 FlashInfer's plan() stages its schedule in a pinned buffer per wrapper and copies it to the GPU
 asynchronously; a plan() of the next step must not overwrite that buffer before the copy ran.
@@ -30,6 +41,7 @@ import weakref
 import numpy as np
 import torch
 
+from gemma4opt.ops.kv_append import KV_FP8
 from gemma4opt.paged.backends.base import Backend, KindGeometry
 from gemma4opt.progress import timed
 
@@ -74,7 +86,9 @@ class FlashInferBackend(Backend):
         # splits each sequence's KV across CTAs; FA3 runs one query row per CTA over the whole
         # sequence: measured on an H200 (benchmarks/bench_attention.py, head_dim 256, batch 32,
         # 4k context) 322 µs (39 % of copy bandwidth) against FA2's 142 µs (89 %).
-        self.backend = "fa2" if g.head_dim > 256 else "auto"
+        # An fp8 pool: FA2 too (FA3 reads fp8 KV only with fp8 queries; "auto" would pick FA2 anyway).
+        self.fp8 = g.kv_dtype == KV_FP8
+        self.backend = "fa2" if g.head_dim > 256 or self.fp8 else "auto"
         self._new = flashinfer.BatchPrefillWithPagedKVCacheWrapper
 
         def wrapper(backend=self.backend):
@@ -104,15 +118,20 @@ class FlashInferBackend(Backend):
         if geometry.head_dim not in HEAD_DIMS:
             return (f"head_dim {geometry.head_dim} is not one FlashInfer's paged kernels are built for "
                     f"{list(HEAD_DIMS)}; use attention='hf' for this model")
+        if geometry.kv_dtype not in (geometry.dtype, KV_FP8):
+            return f"a KV pool in {geometry.kv_dtype} with {geometry.dtype} queries (FlashInfer: the same, or fp8)"
+        if geometry.kv_dtype == KV_FP8 and geometry.head_dim == 64:
+            return ("an fp8 KV pool at head_dim 64: FlashInfer 0.6's FA2 kernels do not load fp8 pages of 64 "
+                    "(prefill.cuh, produce_kv); use kv_cache_dtype='auto' for this model")
         return None
 
     def prepare(self, host, dev, pad_to) -> None:
         self.plan(host.qo_indptr, host.kv_indptr, host.kv_last_page_len, dev[f"{self.geometry.kind}.kv_indices"],
                   bucket=pad_to)
 
-    def attend(self, q, kv, meta, token_index, new_lens, window, scale):
+    def attend(self, q, kv, meta, token_index, new_lens, window, scale, kv_scale=None, layer=-1):
         self.check_layer(window, scale)
-        return torch.ops.gemma4opt.paged_attention_flashinfer(q, kv, token_index, self.handle)
+        return torch.ops.gemma4opt.paged_attention_flashinfer(q, kv, token_index, self.handle, layer)
 
     def stats(self):
         out = {"plans": self.plans, "decode plans": self.decode_plans}
@@ -191,22 +210,30 @@ class FlashInferBackend(Backend):
             ev.record()
             self._plan_copied[id(wrapper)] = ev
 
-    def run(self, q: torch.Tensor, kv: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        """This step's attention for ``q`` [rows, heads, D] on the plan made by ``prepare``."""
+    def run(self, q: torch.Tensor, kv: torch.Tensor, last_only: bool = False, layer: int = -1) -> torch.Tensor:
+        """This step's attention for ``q`` [rows, heads, D] on the plan made by ``prepare``
+        (``layer``: the owner of ``kv``, whose scales an fp8 pool is read with)."""
         if not self.planned:
             raise RuntimeError("gemma4opt.paged_attention_flashinfer: no plan for this step (the paged cache's step "
                                "was not begun on this model)")
+        scales = {}
+        if self.fp8:
+            host = self.kv_scale_host or {}
+            if layer not in host:
+                raise RuntimeError(f"gemma4opt.paged_attention_flashinfer: no KV scales for layer {layer} of this fp8 "
+                                   "pool (the backend was not given its StepContext's)")
+            scales = dict(k_scale=host[layer][0], v_scale=host[layer][1])
         if last_only and not self.decode:
             if self.last_wrapper is None:
                 raise RuntimeError("gemma4opt.paged_attention_flashinfer: a last-token query at prefill, but this "
                                    "model has no KV-shared layers to plan it for")
-            return self.last_wrapper.run(q, kv)
-        return self.current.run(q, kv)
+            return self.last_wrapper.run(q, kv, **scales)
+        return self.current.run(q, kv, **scales)
 
 
 @torch.library.custom_op("gemma4opt::paged_attention_flashinfer", mutates_args=())
 def paged_attention_flashinfer(q: torch.Tensor, kv: torch.Tensor, token_index: torch.Tensor,
-                               handle: int) -> torch.Tensor:
+                               handle: int, layer: int = -1) -> torch.Tensor:
     backend = _BACKENDS.get(handle)
     if backend is None:
         raise RuntimeError("gemma4opt.paged_attention_flashinfer: its backend is gone (the model was optimized "
@@ -215,19 +242,20 @@ def paged_attention_flashinfer(q: torch.Tensor, kv: torch.Tensor, token_index: t
     if Tq == 1:
         # Decode, or a KV-shared layer at prefill (HF runs those on the last token only): one
         # query per sequence, always a real token. Shapes alone tell which plan (no device read).
-        flat = backend.run(q.reshape(B, *q.shape[2:]).contiguous(), kv, last_only=token_index.shape[0] != B)
+        flat = backend.run(q.reshape(B, *q.shape[2:]).contiguous(), kv, last_only=token_index.shape[0] != B,
+                           layer=layer)
         return flat.reshape(q.shape)
     if token_index.shape[0] > B * Tq:
         raise ValueError(f"gemma4opt.paged_attention_flashinfer: {Tq} query rows per sequence but the step has more "
                          "tokens; queries must be the whole step or its last token (logits_to_keep=1)")
-    flat = backend.run(q.reshape(B * Tq, *q.shape[2:]).index_select(0, token_index).contiguous(), kv)
+    flat = backend.run(q.reshape(B * Tq, *q.shape[2:]).index_select(0, token_index).contiguous(), kv, layer=layer)
     out = torch.zeros(B * Tq, *q.shape[2:], dtype=q.dtype, device=q.device)
     out.index_copy_(0, token_index.long(), flat.to(q.dtype))
     return out.reshape(q.shape)
 
 
 @paged_attention_flashinfer.register_fake
-def _(q, kv, token_index, handle):
+def _(q, kv, token_index, handle, layer=-1):
     return torch.empty_like(q)
 
 
