@@ -41,6 +41,7 @@ class Report:
     decode_experts: str = ""    # gemma4opt.moe_experts' picks so far (this model's)
     mode: str = ""              # which attention mode runs, and why (attention="auto" says)
     cuda_graphs: bool = True    # decode as CUDA graphs (off on CPU: no graph counts to show)
+    kv_cache: str = ""          # the paged pool's dtype and bytes per token / per sequence ("" in "hf" mode)
 
     def row(self, pattern: str) -> PatternRow:
         return next(r for r in self.rows if r.pattern == pattern)
@@ -58,6 +59,8 @@ class Report:
         if self.mode:
             lines.append(f"  mode: {self.mode}")
         lines.append(f"  attention: {self.attention}")
+        if self.kv_cache:
+            lines.append(f"  KV cache: {self.kv_cache}")
         lines.append(f"  generate stop check: {self.stop_check}")
         if self.decode_gemms:
             lines.append(f"  decode GEMMs (gemma4opt.linear): {self.decode_gemms}")
@@ -86,6 +89,7 @@ def build_report(model) -> Report:
         matched = per[0] if per and all(m == per[0] for m in per) else None
         rows.append(PatternRow(st.name, st.summary, matched, per, st.expected, list(st.unfused)))
     attention = "hf (HF attention over HF's cache)"
+    kv_cache = ""
     ctx = state.context
     if ctx is not None:
         ctx.free_collected()          # caches dropped since the last step: not held any more
@@ -99,6 +103,7 @@ def build_report(model) -> Report:
         attention = (f"paged (page size {ctx.page_size}; {pools}; {format_bytes(ctx.kv_bytes_held())} of KV "
                      f"held{last}; last graph: {calls}/{state.text_config.num_hidden_layers} layers call a paged "
                      f"attention op); backends: {ctx.describe_backends()}")
+        kv_cache = _kv_cache_line(ctx)
     device = _device_type(model)
     moe = state.stats.get("moe_experts")
     return Report(state.model_class, state.scope, state.disabled_reason, state.graphs_compiled,
@@ -106,7 +111,19 @@ def build_report(model) -> Report:
                   state.graph_captures, state.graph_warmups, state.stop_check, dict(state.graph_key_changes),
                   _decode_gemms(device, state.op_state) if "decode_linear" in state.stats else "",
                   _decode_experts(device, state.op_state) if moe and moe.expected else "",
-                  state.mode_reason, bool(state.config.cuda_graphs))
+                  state.mode_reason, bool(state.config.cuda_graphs), kv_cache)
+
+
+def _kv_cache_line(ctx) -> str:
+    """The pool's dtype (with its scales when fp8), and what a token and a full-length sequence take."""
+    name = str(ctx.kv_dtype).replace("torch.", "")
+    if ctx.kv_scale:
+        scales = sorted({s for pair in ctx.kv_scale_host.values() for s in pair})
+        name += (f" (one fp32 scale per layer for k and one for v: "
+                 f"{'all ' + format(scales[0], 'g') if len(scales) == 1 else 'set per layer'})")
+    return (f"{name}, {format_bytes(ctx.kv_bytes_per_token())} per token over the {len(ctx.kv)} layers that own KV, "
+            f"{format_bytes(ctx.kv_bytes_per_sequence(ctx.max_seq_len))} per sequence of max_seq_len="
+            f"{ctx.max_seq_len} tokens (sliding layers keep their window's pages)")
 
 
 def format_bytes(n: float) -> str:
