@@ -121,9 +121,9 @@ class Gemma4OptConfig:
     def resolve(self, device_type: str, dtype=None, text_config=None) -> "Gemma4OptConfig":
         """Fill the ``None``/"auto" fields for a device (and, for attention="auto", a model)."""
         on_cuda = device_type == "cuda"
-        attention = self.attention
+        attention, why = self.attention, "set in Gemma4OptConfig"
         if attention == "auto":
-            attention = choose_attention(device_type, dtype, text_config, self.kv_cache_dtype)[0]
+            attention, why = choose_attention(device_type, dtype, text_config, self.kv_cache_dtype)
         paged = attention == "paged"
         if paged and self.cache == "static":
             raise ValueError("Gemma4OptConfig: cache='static' and attention='paged' exclude each other (the paged "
@@ -144,7 +144,7 @@ class Gemma4OptConfig:
         if self.kv_cache_dtype == "fp8" and not paged:
             raise ValueError("Gemma4OptConfig.kv_cache_dtype='fp8' is the paged KV pool's dtype: it needs "
                              f"attention='paged' (this model resolves to attention={attention!r}, where HF's "
-                             "cache holds the KV)")
+                             f"cache holds the KV: {why})")
         if graphs and not on_cuda:
             raise ValueError("Gemma4OptConfig.cuda_graphs=True needs a CUDA model; this model is on " + device_type)
         max_batch = self.max_batch_size or DEFAULT_MAX_BATCH

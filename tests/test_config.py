@@ -37,6 +37,9 @@ from gemma4opt import Gemma4OptConfig
     (dict(cuda_graphs=1), TypeError, "cuda_graphs"),
     (dict(deferred_stop=0), TypeError, "deferred_stop"),
     (dict(fast_replan=None), TypeError, "fast_replan"),
+    (dict(kv_cache_dtype="fp16"), ValueError, "kv_cache_dtype"),
+    (dict(kv_cache_dtype=None), ValueError, "kv_cache_dtype"),
+    (dict(kv_cache_dtype=8), TypeError, "kv_cache_dtype"),
 ])
 def test_bad_field_is_named(kwargs, exc, field):
     with pytest.raises(exc, match=rf"Gemma4OptConfig\.{field}\b"):
@@ -47,6 +50,7 @@ def test_bad_field_is_named(kwargs, exc, field):
     dict(), dict(kv_pool_pages=2), dict(page_size=1), dict(patterns=()), dict(patterns=["rms_norm"]),
     dict(kv_pool_fraction=1), dict(kv_pool_fraction=0.25), dict(decode_buckets=[1, 4]),
     dict(attention="paged", page_size=4, max_seq_len=96, max_batch_size=4), dict(deferred_stop=False),
+    dict(attention="paged", kv_cache_dtype="fp8"), dict(kv_cache_dtype="auto"),
 ])
 def test_good_values_are_accepted(kwargs):
     cfg = Gemma4OptConfig(**kwargs)
@@ -61,3 +65,34 @@ def test_resolve_refuses_what_the_device_cannot_run():
         Gemma4OptConfig(attention="paged", cache="static").resolve("cpu")
     with pytest.raises(ValueError, match="decode_buckets"):
         Gemma4OptConfig(decode_buckets=(8,), max_batch_size=4).resolve("cpu")
+
+
+def test_fp8_kv_needs_the_paged_mode():
+    import torch
+
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' is the paged KV pool's dtype: it needs "
+                                         r"attention='paged' \(this model resolves to attention='hf'.*set in"):
+        Gemma4OptConfig(attention="hf", kv_cache_dtype="fp8").resolve("cpu")
+    # "auto" on a CPU is HF attention: the error says so, and why.
+    with pytest.raises(ValueError, match=r"attention='paged' \(this model resolves to attention='hf'.*auto on cpu"):
+        Gemma4OptConfig(kv_cache_dtype="fp8").resolve("cpu", torch.float32)
+    assert Gemma4OptConfig(attention="paged", kv_cache_dtype="fp8").resolve("cpu").kv_cache_dtype == "fp8"
+
+
+def test_auto_attention_with_fp8_kv_asks_flashinfer_about_the_fp8_pool(monkeypatch):
+    """On CUDA, attention="auto" checks FlashInfer can read an fp8 pool of the model's head dims:
+    the 31b's (256 / 512) yes; a head_dim 64 model (the demo preset) no, and the error says why."""
+    import torch
+
+    from gemma4opt.config import choose_attention
+    from gemma4opt.paged.backends import flashinfer
+    from gemma4opt.presets import preset_config
+
+    monkeypatch.setattr(flashinfer, "available", lambda: None)
+    big, demo = preset_config("31b", 6), preset_config("demo")
+    assert choose_attention("cuda", torch.bfloat16, big, "fp8")[0] == "paged"
+    assert choose_attention("cuda", torch.bfloat16, demo, "auto")[0] == "paged"
+    mode, why = choose_attention("cuda", torch.bfloat16, demo, "fp8")
+    assert mode == "hf" and "fp8 KV pool at head_dim 64" in why
+    with pytest.raises(ValueError, match="needs attention='paged'.*fp8 KV pool at head_dim 64"):
+        Gemma4OptConfig(kv_cache_dtype="fp8").resolve("cuda", torch.bfloat16, demo)

@@ -43,23 +43,36 @@ class _StandInWrapper:
         assert causal
         if torch.equal(qo_indptr, torch.arange(len(qo_indptr), dtype=torch.int32)):
             assert self.backend == "fa2", "decode plans run on FA2 (split KV), not FA3"
+        if kv_data_type == torch.float8_e4m3fn:
+            assert self.backend == "fa2", "FlashInfer's FA3 reads fp8 KV only with fp8 queries"
         _StandInWrapper.plans += 1
         if self.graph_buffers:  # a graph replays one batch size and at most the buffers' pages
             assert len(qo_indptr) == len(self.graph_buffers["qo_indptr_buf"])
             assert len(kv_indices) <= len(self.graph_buffers["paged_kv_indices_buf"])
         self.m = dict(qo=qo_indptr.clone(), indptr=kv_indptr.clone(), indices=kv_indices.clone(),
                       last=kv_last_page_len.clone(), window_left=window_left, scale=sm_scale,
-                      dims=(num_qo_heads, num_kv_heads, head_dim), ps=page_size)
+                      dims=(num_qo_heads, num_kv_heads, head_dim), ps=page_size, kv_dtype=kv_data_type,
+                      q_dtype=q_data_type)
 
-    def run(self, q, kv):
+    def run(self, q, kv, k_scale=None, v_scale=None):
         m = self.m
         assert q.shape[0] == int(m["qo"][-1]) and tuple(q.shape[1:]) == (m["dims"][0], m["dims"][2])
+        assert q.dtype == m["q_dtype"] and kv.dtype == m["kv_dtype"]      # FlashInfer checks them against the plan
+        scale, fp8 = m["scale"], kv.dtype == torch.float8_e4m3fn
+        if fp8:
+            # FlashInfer's run(): floats (a tensor would become the kernel's double sm_scale), k's
+            # folded into the softmax scale, v's multiplying the output; pages read unscaled.
+            assert type(k_scale) is float and type(v_scale) is float
+            scale *= k_scale
+        else:
+            assert k_scale is None and v_scale is None
         live = m["indptr"][1:] - m["indptr"][:-1]
         kv_len = torch.where(live > 0, (live - 1) * m["ps"] + m["last"], torch.zeros_like(live))
         window = m["window_left"] + 1 if m["window_left"] >= 0 else None
         # Relative positions: the first live token is position 0, queries are the last ones.
-        return paged_attention_reference(q, kv, m["indptr"], m["indices"].long(), m["last"], torch.zeros_like(live),
-                                         m["qo"], kv_len, window, m["scale"])
+        out = paged_attention_reference(q, kv, m["indptr"], m["indices"].long(), m["last"], torch.zeros_like(live),
+                                        m["qo"], kv_len, window, scale, torch.ones(2) if fp8 else None)
+        return out * v_scale if fp8 else out
 
 
 def use_cuda_backends(model, config=PAGED, flashinfer_kinds=()):
@@ -69,7 +82,8 @@ def use_cuda_backends(model, config=PAGED, flashinfer_kinds=()):
 
     ctx = model._gemma4opt.context
     pages = ctx.seqs["full_attention"].pool.num_pages
-    backends = choose(geometries(model.config.get_text_config(), config.page_size, "cpu", torch.float32), True,
+    backends = choose(geometries(model.config.get_text_config(), config.page_size, "cpu", torch.float32, ctx.kv_dtype),
+                      True,
                       config.decode_kernel, max_pages=pages + ctx.max_batch, max_batch=ctx.max_batch)
     for kind in flashinfer_kinds:
         backends[kind].decode = backends[kind].prefill
@@ -169,3 +183,43 @@ def test_triton_decode_without_graphs_plans_prefill_only(monkeypatch, variant):
     assert all(kb.decode.name == "triton" and kb.decode.steps == 11 for kb in ctx.backends.values())
     for kind, table in ctx.tables.items():                               # the mirror equals the host's table
         assert torch.equal(table, torch.from_numpy(ctx.seqs[kind].table))
+
+
+@pytest.mark.parametrize("decode", ["flashinfer", "triton"])
+def test_fp8_pool_on_the_flashinfer_path(monkeypatch, decode):
+    """kv_cache_dtype="fp8" with the CUDA backends (FlashInfer stood in): plans name the fp8 pool
+    and FA2, runs get the layer's scales as floats (set per layer), and the tokens equal HF eager
+    over an e4m3-rounding cache at the same scales."""
+    from tests.e2e.test_paged_fp8_kv import FP8, fp8_reference
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
+        BatchPrefillWithPagedKVCacheWrapper=_StandInWrapper))
+    model = tiny("tiny-ple-shared")
+    ids = prompt(2, WINDOW + 6)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    ids[1, :5] = 0
+    gemma4opt.optimize(model, FP8)
+    kinds = ("sliding_attention", "full_attention") if decode == "flashinfer" else ()
+    ctx = use_cuda_backends(model, FP8, flashinfer_kinds=kinds)
+    scales = {layer: (2.0 ** -(layer % 3), 2.0 ** (layer % 2)) for layer in ctx.kv}
+    for layer, (ks, vs) in scales.items():
+        ctx.set_kv_scales(layer, ks, vs)
+    want = fp8_reference(model, ids, scales, new=12, attention_mask=mask)
+    assert torch.equal(_gen(model, ids, new=12, attention_mask=mask), want)
+    assert all(kb.prefill.fp8 and kb.prefill.backend == "fa2" for kb in ctx.backends.values())
+    assert all(kb.decode.name == decode for kb in ctx.backends.values())
+
+
+def test_flashinfer_refuses_fp8_pages_at_head_dim_64():
+    from gemma4opt.paged.backends.base import KindGeometry
+    from gemma4opt.paged.backends.flashinfer import FlashInferBackend
+
+    def geometry(head_dim, kv_dtype):
+        return KindGeometry("full_attention", 8, 2, head_dim, 16, None, torch.bfloat16, kv_dtype)
+
+    assert FlashInferBackend.refuses(geometry(256, torch.float8_e4m3fn)) is None
+    assert FlashInferBackend.refuses(geometry(512, torch.float8_e4m3fn)) is None
+    assert FlashInferBackend.refuses(geometry(64, torch.bfloat16)) is None
+    assert "fp8 KV pool at head_dim 64" in FlashInferBackend.refuses(geometry(64, torch.float8_e4m3fn))
+    assert "float16" in FlashInferBackend.refuses(geometry(256, torch.float16))

@@ -100,3 +100,26 @@ def test_dead_device_moves_of_k_and_v_do_not_block_the_fusion():
 def test_refuses_odd_head_dim_at_match_time():
     _, res = _check_numerics(_layer_fn(), _inputs(D=15))
     assert res.matched == 0 and "odd" in res.unfused[0]
+
+
+def test_fp8_pool_scales_reach_the_fused_op():
+    """An fp8 pool: kv_append's kv_scale becomes the fused op's, the attention op keeps reading
+    it; same pool bytes and output as the unfused ops."""
+    def layer(kv, xq, wq, xk, wk, xv, cos, sin, slots, tok, indptr, indices, last, start, lens, new, kv_scale):
+        q = ops.rms_norm_rope.default(xq, wq, cos.unsqueeze(2), sin.unsqueeze(2), 1e-6).transpose(1, 2)
+        k = ops.rms_norm_rope.default(xk, wk, cos.unsqueeze(2), sin.unsqueeze(2), 1e-6).transpose(1, 2)
+        v = ops.rms_norm.default(xv, None, 1e-6).transpose(1, 2)
+        ops.kv_append(kv, k.transpose(1, 2), v.transpose(1, 2), slots, tok, kv_scale)
+        return ops.paged_attention(q.transpose(1, 2), kv, indptr, indices, last, start, lens, new, -1, 1.0, kv_scale)
+
+    inputs = _inputs()
+    inputs[0] = inputs[0].to(torch.float8_e4m3fn)
+    inputs.append(torch.tensor([0.5, 0.25]))
+    gm, res = _rewrite(layer, inputs)
+    assert res.matched == 1 and res.unfused == []
+    fused = next(n for n in gm.graph.nodes if op_name(n) == "qkv_norm_rope_append.default")
+    assert fused.args[-1].name == "kv_scale"
+    want_kv, got_kv = inputs[0].clone(), inputs[0].clone()
+    want = layer(want_kv, *inputs[1:])
+    torch.testing.assert_close(gm(got_kv, *inputs[1:]), want, rtol=0, atol=0)
+    assert torch.equal(got_kv.view(torch.uint8), want_kv.view(torch.uint8))
