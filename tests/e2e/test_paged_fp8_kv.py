@@ -16,7 +16,7 @@ FP8 = Gemma4OptConfig(attention="paged", page_size=4, max_seq_len=96, max_batch_
 
 def e4m3_round(x: torch.Tensor, scale: float) -> torch.Tensor:
     """x through an e4m3 store at ``scale`` and back: clamp(x / s, +-448) to e4m3, times s."""
-    s = torch.tensor(scale, dtype=torch.float32)
+    s = torch.tensor(scale, dtype=torch.float32, device=x.device)     # a tensor divisor: IEEE division
     return (torch.clamp(x.float() / s, -448.0, 448.0).to(torch.float8_e4m3fn).float() * s).to(x.dtype)
 
 
