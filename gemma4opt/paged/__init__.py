@@ -1,6 +1,6 @@
 """The paged KV path, read top to bottom:
 
-- pool.py: which layers own KV, how many pages fit, the KV tensors;
+- pool.py: which layers own KV, how many pages fit, the KV tensors (and an fp8 pool's scales);
 - tables.py (+ page_lists.py): each kind's page tables and the step's page metadata, in numpy;
 - staging.py: the step's small arrays to the device in one async copy;
 - step.py: StepContext, one model's paged state and the step being run (picks the backends);
