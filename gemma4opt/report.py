@@ -122,8 +122,7 @@ def _weights(model, state, device: str) -> str:
     dtype = next(model.parameters()).dtype
     skipped = "".join(f"; not quantized, {k.split(': ', 1)[1]}: {v}" for k, v in state.quantized.items()
                       if k.startswith("skipped"))
-    gemm = ("torch._scaled_mm above 32 rows, the skinny fp8 Triton GEMM up to 32" if device == "cuda"
-            else f"reference ops ({device.upper()})")
+    gemm = _fp8_gemms(device, state.op_state)
     return (f"fp8 e4m3, one fp32 scale per output channel: {len(mods)} linears (attention q/k/v/o, dense MLP "
             f"gate/up/down), {format_bytes(n + 4 * scales)} ({format_bytes(n * dtype.itemsize)} in {_dtype_name(dtype)})"
             f"{skipped}; GEMMs: {gemm}; inputs quantized per token in the kernel that produces them "
@@ -188,6 +187,16 @@ def _decode_gemms(device: str, op_state: OpState) -> str:
                                                        "the skinny GEMM with the softcap epilogue",
                                                        "cuBLAS + the softcap kernel", "rows", "")
     return text
+
+
+def _fp8_gemms(device: str, op_state: OpState) -> str:
+    from gemma4opt.ops import fp8_linear
+
+    if device != "cuda":
+        return _reference_line(device, "dequantize, multiply in fp32", "fp8 GEMM")
+    return "torch._scaled_mm above 32 rows; up to 32, " + _picks_line(
+        fp8_linear, op_state, "the skinny fp8 Triton GEMM", "torch._scaled_mm", "rows",
+        "no shape of <= 32 rows timed yet")
 
 
 def _decode_experts(device: str, op_state: OpState) -> str:
