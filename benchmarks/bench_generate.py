@@ -77,7 +77,12 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      "gemma4opt-paged-cublas": dict(attention="paged", patterns=tuple(
                          p for p in PATTERN_NAMES if p != "decode_linear")),
                      # Every gemma4opt kernel launched plainly: programmatic dependent launch's share.
-                     "gemma4opt-paged-nopdl": dict(attention="paged", pdl=False)}
+                     "gemma4opt-paged-nopdl": dict(attention="paged", pdl=False),
+                     # FP8 (e4m3) weights of the attention and dense-MLP projections; "-kv8": and the KV pool.
+                     "gemma4opt-fp8": dict(quantization="fp8"),
+                     "gemma4opt-fp8-kv8": dict(quantization="fp8", kv_cache_dtype="fp8"),
+                     "gemma4opt-paged-fp8": dict(attention="paged", quantization="fp8"),
+                     "gemma4opt-paged-fp8-kv8": dict(attention="paged", quantization="fp8", kv_cache_dtype="fp8")}
 
 
 HEADER = (f"{'batch':>5} {'system':>18} {'warm-up s':>9} {'TTFT ms':>9} {'ms/step':>9} {'tok/s':>9} "
@@ -114,6 +119,10 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         if opts.get("attention") == "paged":     # tuned: a pool for exactly this run's batches and lengths
             opts.update(max_batch_size=max(args.batch), max_seq_len=args.prompt + args.new + 16)
         gemma4opt.optimize(sys_model, gemma4opt.Gemma4OptConfig(**opts))
+        if opts.get("quantization") or opts.get("kv_cache_dtype"):      # fewer bytes: its own roofline
+            kv_elem = 1 if opts.get("kv_cache_dtype") == "fp8" else None
+            roof = {b: (weight_bytes_per_step(sys_model, b) + kv_bytes_per_step(
+                sys_model, b, args.prompt + args.new // 2, kv_elem)) / args.bandwidth * 1e3 for b in args.batch}
     for b in args.batch:
         ttft, ms, out, warm = measure(sys_model, prompts[b], args.new, args.device, args.repeats, **kw)
         res = results[b]
@@ -175,7 +184,7 @@ def main(argv=None):
     model = build_model(args.preset, args.layers, dtype=dtype, device=args.device)
     cfg = model.config.get_text_config()
     nparams = sum(p.numel() for p in model.parameters())
-    bw = copy_bandwidth(args.device)
+    bw = args.bandwidth = copy_bandwidth(args.device)
     print(f"# preset {args.preset} layers {cfg.num_hidden_layers} params {nparams / 1e9:.2f} B {dtype} on "
           f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}; copy bandwidth "
           f"{bw / 1e12:.2f} TB/s; prompt {args.prompt}, new {args.new}")

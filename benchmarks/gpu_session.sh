@@ -30,6 +30,11 @@
 #              so its warm-up includes FlashInfer's JIT), the paged mode sized for the run, HF static
 #              cache + torch.compile, HF eager (limit 560 s; the one-liner's first generate took 168 s
 #              fresh); then batch 8 and 128 of the paged mode against both baselines (limit 560 s).
+#   fp8        FP8: tests/gpu/test_gpu_fp8*.py (ops, fused quantizing producers, fp8 KV, the optimized fp8
+#              model at real dims; limit 400 s), then bench_fp8_quality.py on the 31b x 12: KL and top-1
+#              against bf16 of gemma4opt's fp8, the fp8 reference path and FineGrainedFP8's scheme (180 s).
+#   speed-fp8  31b x 12, batch 1 and 32: paged bf16, fp8 weights, fp8 weights + fp8 KV, HF static cache +
+#              torch.compile (limit 560 s); then e4b and 26b-a4b at batch 1 (quality, then speed, 560 s).
 #   speed-presets   e4b and 26b-a4b at batch 1, paged mode vs HF static + compile vs eager
 #              (limit 400 s each).
 #   speed-31b-full  the 60-layer 31b at batch 1, same systems (limit 590 s; 62 GB, no model copies).
@@ -77,6 +82,16 @@ for s in "$@"; do
             --systems gemma4opt gemma4opt-paged static_compile eager --json "$OUT/generate.jsonl"
       stage speed-batches 560 $GEN 31b --layers 12 --batch 8 128 \
             --systems gemma4opt-paged static_compile eager --json "$OUT/generate.jsonl" ;;
+    fp8)
+      stage fp8-tests 400 $PYTEST -s tests/gpu/test_gpu_fp8.py tests/gpu/test_gpu_fp8_kv.py
+      stage fp8-quality 180 python3 benchmarks/bench_fp8_quality.py --preset 31b --layers 12 \
+            --json "$OUT/fp8_quality.jsonl" ;;
+    speed-fp8)
+      stage speed-fp8 560 $GEN 31b --layers 12 --batch 1 32 --systems gemma4opt-paged gemma4opt-paged-fp8 \
+            gemma4opt-paged-fp8-kv8 static_compile --json "$OUT/generate.jsonl"
+      stage speed-fp8-presets 560 bash -c "for p in e4b 26b-a4b; do python3 benchmarks/bench_fp8_quality.py \
+            --preset \$p --json $OUT/fp8_quality.jsonl; $GEN \$p --batch 1 --systems gemma4opt-paged \
+            gemma4opt-paged-fp8-kv8 --json $OUT/generate.jsonl; done" ;;
     speed-presets)
       stage speed-e4b 400 $GEN e4b --batch 1 --systems gemma4opt-paged static_compile eager --json "$OUT/generate.jsonl"
       stage speed-26b 400 $GEN 26b-a4b --batch 1 --systems eager static_compile gemma4opt-paged --json "$OUT/generate.jsonl" ;;
@@ -101,6 +116,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests-kernels, tests-gpu, tests-paged, tests-paged-generate, features, speed, speed-presets, speed-31b-full, kernels, attention, profile)" ;;
+    *) echo "unknown suite $s (tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-presets, speed-31b-full, kernels, attention, profile)" ;;
   esac
 done

@@ -28,7 +28,10 @@ def weight_bytes_per_step(model, batch: int) -> int:
     whole table once), and an MoE layer reads only the experts its tokens picked (expected count)."""
     cfg = model.config.get_text_config()
     total = 0
-    for name, p in model.named_parameters():
+    # quantization="fp8": the projections are e4m3 buffers (and fp32 scales) of Fp8Linear modules.
+    fp8 = [(n, b) for n, b in model.named_buffers() if n.endswith(".weight") or n.endswith(".weight_scale")
+           if b.dtype in (torch.float8_e4m3fn, torch.float32) and _is_fp8_linear(model, n)]
+    for name, p in [*model.named_parameters(), *fp8]:
         nbytes = p.numel() * p.element_size()
         if "embed_tokens_per_layer" in name:
             nbytes = batch * p.shape[1] * p.element_size()
@@ -39,10 +42,17 @@ def weight_bytes_per_step(model, batch: int) -> int:
     return total
 
 
-def kv_bytes_per_step(model, batch: int, context: int) -> int:
-    """K and V bytes the attention of one decode step reads (sliding layers see at most the window)."""
+def _is_fp8_linear(model, buffer_name: str) -> bool:
+    from gemma4opt.ops.fp8_weights import Fp8Linear
+
+    return isinstance(model.get_submodule(buffer_name.rsplit(".", 1)[0]), Fp8Linear)
+
+
+def kv_bytes_per_step(model, batch: int, context: int, kv_elem: int | None = None) -> int:
+    """K and V bytes the attention of one decode step reads (sliding layers see at most the window);
+    ``kv_elem``: bytes per KV element (1 for an fp8 pool), else the model dtype's."""
     cfg = model.config.get_text_config()
-    elem = next(model.parameters()).element_size()
+    elem = kv_elem or next(model.parameters()).element_size()
     total = 0
     for i, kind in enumerate(cfg.layer_types):
         lc = cfg.per_layer_config[i]

@@ -19,12 +19,14 @@ from gemma4opt.compiler.pattern import PassContext
 from gemma4opt.config import Gemma4OptConfig, choose_attention
 from gemma4opt.edits import InstanceEdits, own_configs
 from gemma4opt.fixed_tensors import FixedTensors
+from gemma4opt.ops.fp8_weights import fp8_linears, quantize_linears
 from gemma4opt.ops.state import OpState, active
 from gemma4opt.paged.forward import is_paged, paged_forward
 from gemma4opt.paged.install import check_paged_supported, install_paged
 from gemma4opt.paged.pool import kv_pool_dtype
 from gemma4opt.paged.step import StepContext
 from gemma4opt.patterns import build_patterns
+from gemma4opt.patterns.merged_projections import MERGED_ATTR
 from gemma4opt.runtime import decode_graphs
 from gemma4opt.runtime.static_cache import install_static_cache_reuse
 from gemma4opt.runtime.stop_check import install_deferred_stop_check
@@ -74,6 +76,7 @@ class OptimizationState:
     static_cache: tuple | None = None            # (key, cache) reused by generate (runtime/static_cache.py)
     graph_pool: object = None                    # CUDA graph memory pool shared by this model's decode graphs
     stop_check: str = "per step (HF)"            # how generate checks for the end (runtime/stop_check.py)
+    quantized: dict[str, int] = field(default_factory=dict)   # quantization="fp8": Fp8Linear swaps (report)
     # Counters (report).
     graphs_compiled: int = 0
     compiled_calls: int = 0
@@ -141,6 +144,7 @@ def optimize(model, config: Gemma4OptConfig | None = None):
     if old is not None:
         if config is None or config == old.user_config:
             return model
+        _check_not_unquantizing(target, config)      # before the revert: a refusal leaves the model as it was
         warnings.warn(f"gemma4opt.optimize: this model was optimized with {old.user_config}; re-optimizing it "
                       f"with {config} (graphs are compiled again and the KV pool is rebuilt)", stacklevel=2)
         _revert(model)
@@ -151,6 +155,13 @@ def optimize(model, config: Gemma4OptConfig | None = None):
         edits.revert()
         raise
     return model
+
+
+def _check_not_unquantizing(target, config: Gemma4OptConfig) -> None:
+    if config.quantization is None and fp8_linears(target):
+        raise ValueError("gemma4opt.optimize: this model's linears were quantized to fp8 by an earlier "
+                         "optimize(..., Gemma4OptConfig(quantization='fp8')) and its bf16 weights are gone; "
+                         "keep quantization='fp8', or load the model again for bf16")
 
 
 def _revert(model) -> None:
@@ -172,6 +183,7 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
         mode_reason = f"attention={cfg.attention!r} (set in Gemma4OptConfig)"
     if cfg.attention == "paged":
         check_paged_supported(device, dtype, text_config, kv_pool_dtype(cfg.kv_cache_dtype, dtype))
+    _check_not_unquantizing(target, cfg)
     scope = "causal_lm" if target is model else "text_model"
     state = OptimizationState(cfg, type(model).__name__, scope, text_config)
     state.user_config, state.mode_reason, state.edits = user_config, mode_reason, edits
@@ -186,9 +198,10 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
 
     dyn = torch._dynamo.config
     dyn.recompile_limit = max(dyn.recompile_limit, _RECOMPILE_LIMIT)
-    patterns = build_patterns()
+    patterns = build_patterns(cfg.quantization)
     paged = cfg.attention == "paged"
-    enabled = [patterns[n] for n in cfg.enabled_patterns() if paged or not patterns[n].paged_only]
+    enabled = [patterns[n] for n in cfg.enabled_patterns()
+               if (paged or not patterns[n].paged_only) and (cfg.quantization or not patterns[n].quantized_only)]
     for p in enabled:
         state.stats[p.name] = PatternStats(p.name, p.summary, p.expected(text_config, scope))
 
@@ -227,12 +240,23 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
     if cfg.deferred_stop:
         state.stop_check = install_deferred_stop_check(model, edits)
     _install_generate_checks(model, state, edits)
-    # Last, once nothing else can fail: weight merges cannot be undone without a second copy.
+    # Last, once nothing else can fail: fp8 weights and weight merges cannot be undone without a
+    # second copy. The merge (merged_projections) merges the fp8 weights and scales as it would bf16.
+    if cfg.quantization == "fp8":
+        state.quantized = quantize_linears(target, drop_attrs=(MERGED_ATTR,))
+        edits.set(model, "save_pretrained", _refuse_save)
     for p in enabled:
         p.prepare(target, text_config)
     edits.set(target, "forward", _make_forward(target, state))
     edits.set(model, "_apply", _make_apply(model))
     edits.set(model, "_gemma4opt", state)
+
+
+def _refuse_save(*args, **kwargs):
+    raise NotImplementedError(
+        "gemma4opt: a model optimized with quantization='fp8' holds gemma4opt's fp8 weights (e4m3, one scale "
+        "per output channel), which no transformers checkpoint format describes; save the model before "
+        "optimize(), or optimize it without quantization")
 
 
 def _make_apply(model):

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gemma4opt.api import get_state
+from gemma4opt.ops.fp8_weights import fp8_linears
 from gemma4opt.ops.state import OpState
 from gemma4opt.patterns.paged_qkv import ATTENTION_OPS
 
@@ -42,6 +43,7 @@ class Report:
     mode: str = ""              # which attention mode runs, and why (attention="auto" says)
     cuda_graphs: bool = True    # decode as CUDA graphs (off on CPU: no graph counts to show)
     kv_cache: str = ""          # the paged pool's dtype and bytes per token / per sequence ("" in "hf" mode)
+    weights: str = ""           # quantization="fp8": what is fp8, its bytes, and what is not
 
     def row(self, pattern: str) -> PatternRow:
         return next(r for r in self.rows if r.pattern == pattern)
@@ -62,6 +64,8 @@ class Report:
         if self.kv_cache:
             lines.append(f"  KV cache: {self.kv_cache}")
         lines.append(f"  generate stop check: {self.stop_check}")
+        if self.weights:
+            lines.append(f"  weights: {self.weights}")
         if self.decode_gemms:
             lines.append(f"  decode GEMMs (gemma4opt.linear): {self.decode_gemms}")
         if self.decode_experts:
@@ -105,13 +109,14 @@ def build_report(model) -> Report:
                      f"attention op); backends: {ctx.describe_backends()}")
         kv_cache = _kv_cache_line(ctx)
     device = _device_type(model)
-    moe = state.stats.get("moe_experts")
+    moe, dense = state.stats.get("moe_experts"), state.stats.get("decode_linear")
     return Report(state.model_class, state.scope, state.disabled_reason, state.graphs_compiled,
                   state.compiled_calls, state.graphed_calls, dict(state.fallbacks), rows, attention,
                   state.graph_captures, state.graph_warmups, state.stop_check, dict(state.graph_key_changes),
-                  _decode_gemms(device, state.op_state) if "decode_linear" in state.stats else "",
+                  _decode_gemms(device, state.op_state) if dense and dense.expected else "",
                   _decode_experts(device, state.op_state) if moe and moe.expected else "",
-                  state.mode_reason, bool(state.config.cuda_graphs), kv_cache)
+                  state.mode_reason, bool(state.config.cuda_graphs), kv_cache=kv_cache,
+                  weights=_weights(model, state, device))
 
 
 def _kv_cache_line(ctx) -> str:
@@ -124,6 +129,27 @@ def _kv_cache_line(ctx) -> str:
     return (f"{name}, {format_bytes(ctx.kv_bytes_per_token())} per token over the {len(ctx.kv)} layers that own KV, "
             f"{format_bytes(ctx.kv_bytes_per_sequence(ctx.max_seq_len))} per sequence of max_seq_len="
             f"{ctx.max_seq_len} tokens (sliding layers keep their window's pages)")
+
+
+def _weights(model, state, device: str) -> str:
+    if state.config.quantization != "fp8":
+        return ""
+    mods = fp8_linears(model)
+    n = sum(m.weight.numel() for m in mods)
+    scales = sum(m.weight_scale.numel() for m in mods)
+    dtype = next(model.parameters()).dtype
+    skipped = "".join(f"; not quantized, {k.split(': ', 1)[1]}: {v}" for k, v in state.quantized.items()
+                      if k.startswith("skipped"))
+    gemm = _fp8_gemms(device, state.op_state)
+    return (f"fp8 e4m3, one fp32 scale per output channel: {len(mods)} linears (attention q/k/v/o, dense MLP "
+            f"gate/up/down), {format_bytes(n + 4 * scales)} ({format_bytes(n * dtype.itemsize)} in {_dtype_name(dtype)})"
+            f"{skipped}; GEMMs: {gemm}; inputs quantized per token in the kernel that produces them "
+            f"(fp8_quant), o_proj's on its own; kept in {_dtype_name(dtype)}: the lm_head (tied to the embedding "
+            "table), the MoE experts and router, the per-layer-input (PLE) projections")
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def format_bytes(n: float) -> str:
@@ -179,6 +205,16 @@ def _decode_gemms(device: str, op_state: OpState) -> str:
                                                        "the skinny GEMM with the softcap epilogue",
                                                        "cuBLAS + the softcap kernel", "rows", "")
     return text
+
+
+def _fp8_gemms(device: str, op_state: OpState) -> str:
+    from gemma4opt.ops import fp8_linear
+
+    if device != "cuda":
+        return _reference_line(device, "dequantize, multiply in fp32", "fp8 GEMM")
+    return "torch._scaled_mm above 32 rows; up to 32, " + _picks_line(
+        fp8_linear, op_state, "the skinny fp8 Triton GEMM", "torch._scaled_mm", "rows",
+        "no shape of <= 32 rows timed yet")
 
 
 def _decode_experts(device: str, op_state: OpState) -> str:

@@ -3,17 +3,21 @@
 Each pattern is one file here; ``build_patterns`` maps its name to an instance. Later patterns
 match on the ops earlier ones produced (norm_rope and residual_norm match gemma4opt.rms_norm
 calls; gelu_tanh_mul reads the merged gate/up halves; paged_qkv fuses norm_rope's output with the
-paged cache's KV append; decode_linear runs last, on the GEMMs merged_projections left), so order
-matters. ``paged_only`` patterns run only with attention="paged".
+paged cache's KV append; fp8_quant moves each fp8 GEMM input's quantization into the rms_norm,
+residual tail or gelu kernel that produced it; decode_linear runs last, on the GEMMs
+merged_projections left), so order matters. ``paged_only`` patterns run only with
+attention="paged", ``quantized_only`` ones only with quantization="fp8".
 """
 from __future__ import annotations
 
 PATTERN_NAMES = ("rms_norm", "merged_projections", "norm_rope", "paged_qkv", "gelu_tanh_mul", "residual_norm",
-                 "moe_router", "moe_experts", "logit_softcap", "decode_linear")
+                 "fp8_quant", "moe_router", "moe_experts", "logit_softcap", "decode_linear")
 
 
-def build_patterns() -> dict:
+def build_patterns(quantization: str | None = None) -> dict:
+    """Every pattern, built for what the graph's linears are (Gemma4OptConfig.quantization)."""
     from .decode_linear import DecodeLinearPattern
+    from .fp8_quant import Fp8QuantPattern
     from .gelu_tanh_mul import GeluTanhMulPattern
     from .logit_softcap import LogitSoftcapPattern
     from .merged_projections import MergedProjectionsPattern
@@ -24,7 +28,9 @@ def build_patterns() -> dict:
     from .residual_norm import ResidualNormPattern
     from .rms_norm import RMSNormPattern
 
-    patterns = [RMSNormPattern(), MergedProjectionsPattern(), NormRopePattern(), PagedQKVPattern(), GeluTanhMulPattern(),
-                ResidualNormPattern(), MoeRouterPattern(), MoeExpertsPattern(), LogitSoftcapPattern(), DecodeLinearPattern()]
+    classes = [RMSNormPattern, MergedProjectionsPattern, NormRopePattern, PagedQKVPattern, GeluTanhMulPattern,
+               ResidualNormPattern, Fp8QuantPattern, MoeRouterPattern, MoeExpertsPattern, LogitSoftcapPattern,
+               DecodeLinearPattern]
+    patterns = [cls(quantization) for cls in classes]
     assert tuple(p.name for p in patterns) == PATTERN_NAMES
     return {p.name: p for p in patterns}

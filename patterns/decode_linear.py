@@ -11,7 +11,8 @@ Fused::
 
 One match per attention block and per dense MLP whose every linear was replaced: 2 per layer,
 with or without merged projections. A linear with a bias stays as it is, and the block is
-listed as unfused. The MoE experts, the router and the PLE projections are not touched.
+listed as unfused. The MoE experts, the router and the PLE projections are not touched. With
+quantization="fp8" the blocks' projections are gemma4opt.fp8_linear calls and are left to it.
 """
 from __future__ import annotations
 
@@ -29,13 +30,16 @@ class DecodeLinearPattern(Pattern):
     summary = "attention / MLP linears -> gemma4opt.linear (skinny Triton GEMM or cuBLAS per decode shape)"
 
     def expected(self, cfg, scope):
-        return 2 * cfg.num_hidden_layers
+        # quantization="fp8": these blocks' projections are gemma4opt.fp8_linear already.
+        return 0 if self.quantization == "fp8" else 2 * cfg.num_hidden_layers
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = PassResult()
         for type_name in _BLOCKS:
             for region in regions_of_type(gm.graph, type_name, subtree=True):
                 linears = region.by_op("linear")
+                if not linears and region.by_op("fp8_linear.default"):
+                    continue
                 biased = [n for n in linears if (len(n.args) > 2 and n.args[2] is not None) or n.kwargs.get("bias") is not None]
                 if not linears or biased:
                     res.unfused.append(f"{region.path}: " + ("a linear has a bias" if biased else "no linear found"))

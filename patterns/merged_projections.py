@@ -13,6 +13,12 @@ Fused::
 The merged weights are built once, in ``prepare`` at optimize(); the original parameters
 become views into them, so memory is not doubled and HF's own forward (fallbacks) still works.
 KV-shared layers own only q_proj and are left as they are.
+
+With quantization="fp8" the projections are ops/fp8_weights.py's Fp8Linear: each is
+``fp8_linear(quantize_rows(h), Wq, scale)``, and the merge concatenates the e4m3 weights and their
+per-channel scales (per-channel scales merge exactly), quantizing h once::
+
+    qkv = fp8_linear(quantize_rows(h), Wq_qkv, scale_qkv); q, k, v = qkv[..., :nq], ...
 """
 from __future__ import annotations
 
@@ -23,8 +29,10 @@ import torch.fx as fx
 
 from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
 from gemma4opt.compiler.regions import innermost, op_name, place, regions_of_type, resolve_module
+from gemma4opt.ops.fp8_weights import Fp8Linear
 
 MERGED_ATTR = "_gemma4opt_merged_weight"
+MERGED_SCALE_ATTR = "_gemma4opt_merged_weight_scale"     # fp8: the merged per-channel scales
 _GROUPS = {"Gemma4TextAttention": ("q_proj", "k_proj", "v_proj"), "Gemma4TextMLP": ("gate_proj", "up_proj")}
 
 
@@ -33,14 +41,23 @@ def _merge(module: torch.nn.Module, names: tuple[str, ...]) -> None:
     linears = [lin for lin in linears if lin is not None]
     if len(linears) < 2 or any(lin.bias is not None for lin in linears) or _views_of(module, linears):
         return
+    fp8 = [isinstance(lin, Fp8Linear) for lin in linears]
+    if any(fp8) and not all(fp8):
+        return                              # some projections were not quantized: leave them apart
     with torch.no_grad():
         merged = torch.cat([lin.weight for lin in linears], dim=0)
+        scales = torch.cat([lin.weight_scale for lin in linears], dim=0) if fp8[0] else None
     start = 0
     for lin in linears:
         rows = lin.weight.shape[0]
-        lin.weight = torch.nn.Parameter(merged[start:start + rows], requires_grad=lin.weight.requires_grad)
+        if scales is not None:              # buffers: the views replace them in place
+            lin.weight, lin.weight_scale = merged[start:start + rows], scales[start:start + rows]
+        else:
+            lin.weight = torch.nn.Parameter(merged[start:start + rows], requires_grad=lin.weight.requires_grad)
         start += rows
     setattr(module, MERGED_ATTR, merged)   # a plain attribute: not a parameter, not in state_dict
+    if scales is not None:
+        setattr(module, MERGED_SCALE_ATTR, scales)
 
 
 def _views_of(module, linears) -> bool:
@@ -88,24 +105,36 @@ class MergedProjectionsPattern(Pattern):
 
     @staticmethod
     def _rewrite(gm, ctx, region, module, owned, merged) -> str | None:
+        fp8 = isinstance(getattr(module, owned[0]), Fp8Linear)
+        op = "fp8_linear.default" if fp8 else "linear"
         linears = []
         for name in owned:
             path = f"{region.path}.{name}"
-            found = [n for n in region.nodes if op_name(n) == "linear" and innermost(n)[0] == path]
+            found = [n for n in region.nodes if op_name(n) == op and innermost(n)[0] == path]
             if len(found) != 1:
-                return f"{name}: expected one linear call, found {len(found)}"
+                return f"{name}: expected one {op} call, found {len(found)}"
             linears.append(found[0])
-        x = linears[0].args[0]
-        if any(lin.args[0] is not x for lin in linears):
+        x = _quantized_input(linears[0]) if fp8 else linears[0].args[0]
+        if any((_quantized_input(lin) if fp8 else lin.args[0]) is not x for lin in linears):
             return "projections do not share their input"
-        if any(len(lin.args) > 2 and lin.args[2] is not None for lin in linears):
+        if not fp8 and any(len(lin.args) > 2 and lin.args[2] is not None for lin in linears):
             return "projection has a bias"
         graph = gm.graph
         first = min(linears)          # nodes compare by their position in the graph
         w = ctx.add_constant(f"{region.path}.merged", merged)
         new_nodes = []
         with graph.inserting_before(first):
-            fused = graph.call_function(torch.nn.functional.linear, (x, w))
+            if fp8:
+                quant = first.args[0].args[0]
+                q = graph.call_function(torch.ops.gemma4opt.quantize_rows.default, (x,))
+                q.meta = dict(quant.meta)
+                xq, xs = (graph.call_function(operator.getitem, (q, i)) for i in (0, 1))
+                xq.meta, xs.meta = dict(first.args[0].meta), dict(first.args[1].meta)
+                scale = ctx.add_constant(f"{region.path}.merged_scale", getattr(module, MERGED_SCALE_ATTR))
+                fused = graph.call_function(torch.ops.gemma4opt.fp8_linear.default, (xq, xs, w, scale, first.args[4]))
+                new_nodes += [q, xq, xs]
+            else:
+                fused = graph.call_function(torch.nn.functional.linear, (x, w))
             fused.meta = dict(first.meta)
             new_nodes.append(fused)
             start = 0
@@ -117,6 +146,28 @@ class MergedProjectionsPattern(Pattern):
                 new_nodes.append(part)
                 start += rows
         for lin in linears:
+            inputs = [a for a in lin.args[:2]] if fp8 else []
             graph.erase_node(lin)
+            _erase_unused(graph, inputs)
         place(new_nodes)
         return None
+
+
+def _quantized_input(lin: fx.Node):
+    """x of ``fp8_linear(getitem(quantize_rows(x), 0), getitem(same, 1), ...)``, or None."""
+    xq, xs = lin.args[0], lin.args[1]
+    if (op_name(xq) != "getitem" or op_name(xs) != "getitem" or xq.args[0] is not xs.args[0]
+            or op_name(xq.args[0]) != "quantize_rows.default"):
+        return None
+    return xq.args[0].args[0]
+
+
+def _erase_unused(graph: fx.Graph, nodes) -> None:
+    """Erase these nodes, then their inputs, as long as nothing reads them."""
+    todo, erased = list(nodes), set()
+    while todo:
+        n = todo.pop()
+        if isinstance(n, fx.Node) and n not in erased and not n.users and n.op == "call_function":
+            todo.extend(a for a in n.args if isinstance(a, fx.Node))
+            graph.erase_node(n)
+            erased.add(n)

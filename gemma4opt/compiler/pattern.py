@@ -50,6 +50,10 @@ class Pattern:
     name: str = ""
     summary: str = ""
     paged_only: bool = False      # matches ops that exist only with attention="paged"
+    quantized_only: bool = False  # matches ops that exist only with quantization="fp8"
+
+    def __init__(self, quantization: str | None = None):
+        self.quantization = quantization      # Gemma4OptConfig.quantization: what the graph's linears are
 
     def expected(self, text_config, scope: str) -> int:
         """Matches a fully fused graph has, as a formula of the config (per captured graph)."""

@@ -187,3 +187,43 @@ def gelu_tanh_mul_quant_triton(gate: torch.Tensor, up: torch.Tensor, max_block: 
             BLOCK=block, CHUNKS=triton.cdiv(D, block), num_warps=warps, **pdl_flags(g2),
         )
     return q.view(gate.shape), s.view(gate.shape[:-1])
+
+
+@triton.jit
+def _quantize_rows_kernel(X, Q, S, sx, sq, D, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr):
+    """A row quantized on its own: for an input no gemma4opt kernel produces (the attention output
+    before o_proj). Long rows run in chunks, two passes, as the gelu kernel's."""
+    pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    if CHUNKS == 1:
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        x = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
+        fp8_quant_row_store(x, mask, Q + row * sq + cols, S + row)
+    else:
+        amax = tl.zeros([], tl.float32)
+        for c in tl.static_range(CHUNKS):
+            cols = c * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(X + row * sx + cols, mask=cols < D, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
+        scale = fp8_row_scale(amax)
+        for c in tl.static_range(CHUNKS):
+            cols = c * BLOCK + tl.arange(0, BLOCK)
+            mask = cols < D
+            x = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(Q + row * sq + cols, fp8_quantize(x, scale), mask=mask)
+        tl.store(S + row, scale)
+
+
+def quantize_rows_triton(x: torch.Tensor, max_block: int = _GELU_MAX_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] quantized per row: (fp8 like x, fp32 scales x.shape[:-1]); ops/fp8.py's semantics."""
+    D = x.shape[-1]
+    x2 = rows_view(x)
+    q, s = _outputs(x2)
+    rows = x2.shape[0]
+    if rows:
+        block = min(triton.next_power_of_2(max(D, 1)), max_block)
+        _, warps = row_launch(block, rows)
+        _quantize_rows_kernel[(rows,)](x2, q, s, x2.stride(0), q.stride(0), D, BLOCK=block,
+                                       CHUNKS=triton.cdiv(D, block), num_warps=warps, **pdl_flags(x2))
+    return q.view(x.shape), s.view(x.shape[:-1])

@@ -11,6 +11,7 @@ from gemma4opt.ops import (  # noqa: F401
     moe_experts,
     moe_router,
     qkv_norm_rope_append,
+    quantize_rows,
     rms_norm,
     rms_norm_quant,
     rms_norm_rope,

@@ -4,18 +4,32 @@
 
 x_fp8 [..., K] with fp32 x_scale [...] (one per token: ops/fp8.py's quantize_rows, or the fused
 *_quant ops), w_fp8 [N, K] with fp32 w_scale [N] (one per output channel: quantize_weight). The CPU
-path is the reference. On CUDA: up to ``MAX_ROWS`` rows (decode) kernels/fp8_linear.py's skinny
-Triton GEMM; more rows torch._scaled_mm with row-wise scales (scale_a [rows, 1], scale_b [1, N]),
-which takes a bf16 output and K, N multiples of 16; any other shape or output dtype the reference.
-Not used by optimize() yet: no pick per shape is timed (ops/linear.py's is the model to follow).
+path is the reference. On CUDA: torch._scaled_mm with row-wise scales (scale_a [rows, 1], scale_b
+[1, N]; it takes a bf16 output and K, N multiples of 16), except that up to ``MAX_ROWS`` rows
+(decode) each shape (rows, N, K, out dtype) runs kernels/fp8_linear.py's skinny Triton GEMM when it
+was faster on that shape's first call, timed cold in L2 against _scaled_mm (ops/pick.py, as
+ops/linear.py against cuBLAS); where _scaled_mm cannot run, the Triton GEMM, and above 32 rows the
+reference. Optimize(quantization="fp8") uses it for every quantized projection.
 """
 from __future__ import annotations
 
 import torch
 
 from gemma4opt.ops.fp8 import fp8_linear_reference
+from gemma4opt.ops.pick import bench_cold, check_close
+from gemma4opt.ops.state import OpState, picks_for
 
 MAX_ROWS = 32
+
+
+def picks(state: OpState | None = None) -> dict[tuple, bool]:
+    """The shapes timed so far in ``state`` (default: the active one) and whether each runs Triton."""
+    return picks_for("fp8_linear", state).picks()
+
+
+def failures(state: OpState | None = None) -> dict[tuple, str]:
+    """The shapes whose Triton GEMM raised when timed in ``state``, with why."""
+    return picks_for("fp8_linear", state).failures()
 
 
 @torch.library.custom_op("gemma4opt::fp8_linear", mutates_args=())
@@ -29,10 +43,35 @@ def _(x_fp8, x_scale, w_fp8, w_scale, out_dtype):
     return torch.empty((*x_fp8.shape[:-1], w_fp8.shape[0]), dtype=out_dtype, device=x_fp8.device)
 
 
-def runs_triton(x_fp8, w_fp8) -> bool:
-    """Whether this CUDA call runs the skinny Triton GEMM: decode rows and unit-stride weight rows."""
+def triton_fits(x_fp8, w_fp8) -> bool:
+    """Whether the skinny Triton GEMM can take this call: decode rows and unit-stride weight rows."""
     rows = x_fp8.numel() // max(x_fp8.shape[-1], 1)
     return 0 < rows <= MAX_ROWS and w_fp8.stride(-1) == 1
+
+
+def _time_both(x_fp8, x_scale, w_fp8, w_scale, out_dtype) -> tuple[float, float]:
+    from gemma4opt.kernels.fp8_linear import fp8_linear_triton
+
+    def triton():
+        return fp8_linear_triton(x_fp8, x_scale, w_fp8, w_scale, out_dtype)
+
+    def cublas():
+        return scaled_mm(x_fp8, x_scale, w_fp8, w_scale, out_dtype)
+
+    check_close(triton(), cublas(), what="skinny fp8 Triton GEMM", other="torch._scaled_mm")
+    return bench_cold(triton), bench_cold(cublas)
+
+
+def runs_triton(x_fp8, w_fp8, x_scale=None, w_scale=None, out_dtype=torch.bfloat16) -> bool:
+    """Whether this CUDA call runs the skinny Triton GEMM: it fits, and _scaled_mm cannot run the
+    call or the active model's pick for the shape is Triton (timed now if new)."""
+    if not triton_fits(x_fp8, w_fp8):
+        return False
+    if not runs_scaled_mm(x_fp8, w_fp8, out_dtype) or x_scale is None:
+        return True
+    rows = x_fp8.numel() // x_fp8.shape[-1]
+    key = (rows, w_fp8.shape[0], w_fp8.shape[1], out_dtype, x_fp8.device.index)
+    return picks_for("fp8_linear").pick(key, lambda: _time_both(x_fp8, x_scale, w_fp8, w_scale, out_dtype))
 
 
 def runs_scaled_mm(x_fp8, w_fp8, out_dtype) -> bool:
@@ -52,7 +91,7 @@ def scaled_mm(x_fp8, x_scale, w_fp8, w_scale, out_dtype):
 
 @fp8_linear.register_kernel("cuda")
 def _(x_fp8, x_scale, w_fp8, w_scale, out_dtype):
-    if runs_triton(x_fp8, w_fp8):
+    if runs_triton(x_fp8, w_fp8, x_scale, w_scale, out_dtype):
         from gemma4opt.kernels.fp8_linear import fp8_linear_triton
 
         return fp8_linear_triton(x_fp8, x_scale, w_fp8, w_scale, out_dtype)

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from gemma4opt.kernels.add_rms_norm import add_rms_norm_triton
 from gemma4opt.kernels.fp8_quant import (add_rms_norm_quant_triton, fp8_quantize, gelu_tanh_mul_quant_triton,
-                                         rms_norm_quant_triton)
+                                         quantize_rows_triton, rms_norm_quant_triton)
 from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_mul_triton
 from gemma4opt.kernels.rms_norm import rms_norm_triton
 from gemma4opt.ops.add_rms_norm import add_rms_norm_reference
@@ -123,6 +123,24 @@ def test_gelu_tanh_mul_quant(dtype, shape, max_block):
     q, s = gelu_tanh_mul_quant_triton(g, u, max_block=max_block)
     assert q.shape == g.shape and s.shape == g.shape[:-1]
     check(q, s, gelu_tanh_mul_triton(g, u), gelu_tanh_mul_reference(g, u))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("max_block", [8192, 32])
+def test_quantize_rows_equals_the_reference(dtype, shape, max_block):
+    """Quantizing on its own has no producer to round: the bytes and scales equal the reference's."""
+    x = _x(shape, dtype)
+    q, s = quantize_rows_triton(x, max_block=max_block)
+    eq, es = quantize_rows_reference(x)
+    same_bytes(q, eq)
+    assert torch.equal(s, es)
+
+
+def test_quantize_rows_reads_strided_rows():
+    x = _x((3, 400), torch.bfloat16)[:, 100:300]
+    q, s = quantize_rows_triton(x, max_block=64)
+    same_bytes(q, quantize_rows_reference(x)[0])
 
 
 def test_gelu_reads_halves_of_a_merged_gemm_output():

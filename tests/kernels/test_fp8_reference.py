@@ -88,6 +88,7 @@ def _samples():
          (x, r, w, 1e-6, torch.tensor([0.5]), w.flip(0), 1e-5)),
         ("add_rms_norm_quant no scale", ops.add_rms_norm_quant.default, (x, r, w, 1e-6, None, w, 1e-6)),
         ("gelu_tanh_mul_quant", ops.gelu_tanh_mul_quant.default, (x, r)),
+        ("quantize_rows", ops.quantize_rows.default, (x,)),
         ("fp8_linear bf16", ops.fp8_linear.default, (xq, xs, wq, ws, torch.bfloat16)),
         ("fp8_linear fp32", ops.fp8_linear.default, (xq, xs, wq, ws, torch.float32)),
     ]

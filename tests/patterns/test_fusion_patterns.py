@@ -28,7 +28,8 @@ def _run(variant, names):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("pattern", [p for p in PATTERN_NAMES if p != "rms_norm" and not build_patterns()[p].paged_only])
+@pytest.mark.parametrize("pattern", [p for p in PATTERN_NAMES if p != "rms_norm" and not build_patterns()[p].paged_only
+                                     and not build_patterns()[p].quantized_only])   # those: tests/quant
 def test_pattern_count_numerics_coverage(variant, pattern):
     names = NEEDS.get(pattern, []) + [pattern]
     c, got, want, cfg = _run(variant, names)

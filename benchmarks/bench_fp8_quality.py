@@ -1,0 +1,127 @@
+"""FP8 quality on a random-weight model: teacher-forced logits against the same model in its own dtype.
+
+    python3 benchmarks/bench_fp8_quality.py --preset 31b --layers 12 --json rows.jsonl
+
+Systems, each the same model's attention and dense-MLP projections in fp8 (lm_head, experts, PLE
+kept), over ``--batch x --seq`` random tokens (>= 512 positions):
+- ``gemma4opt-fp8``: ``optimize(model, Gemma4OptConfig(quantization="fp8"))`` (fused quantizing
+  producers, the fp8 GEMMs);
+- ``fp8-reference``: the same weights swapped by ops/fp8_weights.py and run by HF's eager forward
+  (per-channel weight scales, per-token activation scales, fp32 GEMM: the semantics gemma4opt fuses);
+- ``hf-finegrained-fp8``: transformers' FineGrainedFP8Config semantics (128 x 128 weight blocks,
+  1 x 128 activation groups, dynamic) emulated in torch on the same projections, the anchor: its
+  own kernel comes from the `kernels` hub, which an offline machine cannot load.
+Per system: the mean KL(p_ref || p_fp8) over positions and the top-1 agreement with the reference.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+
+import torch
+
+import gemma4opt
+from gemma4opt.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_MIN
+from gemma4opt.ops.fp8_weights import QUANTIZED_BLOCKS, quantize_linears
+from gemma4opt.presets import ALL_PRESETS, build_model
+
+
+def _blocks_quant(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """x [R, C] quantized and dequantized in (rows x cols) blocks, one scale each (fp32 math)."""
+    R, C = x.shape
+    xf = x.float().reshape(R // rows, rows, C // cols, cols)
+    scale = (xf.abs().amax(dim=(1, 3), keepdim=True) / torch.full((), FP8_MAX, device=x.device)).clamp_min(SCALE_MIN)
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return (q.float() * scale).reshape(R, C)
+
+
+class BlockFp8Linear(torch.nn.Module):
+    """FineGrainedFP8's scheme in torch: weight in (block x block) tiles, activations in 1 x block
+    groups per token, both dynamic scales = amax / 448, product in fp32."""
+
+    def __init__(self, linear: torch.nn.Linear, block: int):
+        super().__init__()
+        N, K = linear.weight.shape
+        if N % block or K % block:
+            raise ValueError(f"BlockFp8Linear: weight {N}x{K} is not a multiple of the {block} block")
+        self.block = block
+        self.register_buffer("w", _blocks_quant(linear.weight.detach(), block, block))
+
+    def forward(self, x):
+        K = x.shape[-1]
+        xd = _blocks_quant(x.reshape(-1, K), 1, self.block).reshape(x.shape)
+        return torch.matmul(xd, self.w.t()).to(x.dtype)
+
+
+def block_fp8(model: torch.nn.Module, block: int) -> None:
+    for module in list(model.modules()):
+        for name in QUANTIZED_BLOCKS.get(type(module).__name__, ()):
+            lin = getattr(module, name, None)
+            if lin is not None:
+                setattr(module, name, BlockFp8Linear(lin, block))
+
+
+def _metrics(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
+    """(mean KL(p_ref || p_got) in nats, top-1 agreement), over every position."""
+    lp, lq = ref.float().log_softmax(-1), got.float().log_softmax(-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1).mean().item()
+    top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    return kl, top1
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny", choices=sorted(ALL_PRESETS))
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--block", type=int, default=128, help="FineGrainedFP8's block (128; smaller for tiny presets)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--systems", nargs="+", default=["hf-finegrained-fp8", "fp8-reference", "gemma4opt-fp8"],
+                    choices=["hf-finegrained-fp8", "fp8-reference", "gemma4opt-fp8"])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--run", default=None)
+    args = ap.parse_args(argv)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = build_model(args.preset, args.layers, dtype=dtype, device=args.device)
+    cfg = model.config.get_text_config()
+    ids = torch.randint(3, cfg.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(args.device)
+    run = args.run or time.strftime("%Y-%m-%d %H:%M/") + f"fp8_quality_{args.preset}_l{cfg.num_hidden_layers}"
+    machine = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    with torch.no_grad():
+        ref = model(ids).logits.float().cpu()
+    print(f"# {args.preset} x {cfg.num_hidden_layers} layers, {dtype}, {args.batch * args.seq} positions on {machine}")
+    rows = []
+    for i, system in enumerate(args.systems):
+        # The last system quantizes the model itself: at most one copy is alive (full 31b: 62 GB each).
+        m = model if i == len(args.systems) - 1 else copy.deepcopy(model)
+        if system == "gemma4opt-fp8":
+            gemma4opt.optimize(m, gemma4opt.Gemma4OptConfig(quantization="fp8"))
+        elif system == "fp8-reference":
+            quantize_linears(m)
+        else:
+            block_fp8(m, args.block)
+        with torch.no_grad():
+            got = m(ids).logits.float().cpu()
+        kl, top1 = _metrics(ref, got)
+        row = dict(run=run, machine=machine, command="python3 benchmarks/bench_fp8_quality.py " + " ".join(
+            argv if argv is not None else sys.argv[1:]), preset=args.preset, layers=cfg.num_hidden_layers,
+                   positions=args.batch * args.seq, dtype=str(dtype).replace("torch.", ""), system=system,
+                   kl=kl, top1=top1)
+        print(f"{system:>20}  KL {kl:.5f} nats  top-1 agreement {top1:.4f}", flush=True)
+        rows.append(row)
+        del m
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""quantization="fp8" on CPU: the Fp8Linear swap and its drop-in behaviour, and greedy tokens of
+the optimized model equal to the fp8 reference path (the same swap on an unoptimized copy, run by
+HF's eager forward with the reference ops) on every tiny variant, in both attention modes."""
+import copy
+
+import pytest
+import torch
+
+import gemma4opt
+from gemma4opt.ops.fp8 import FP8_DTYPE, quantize_weight_reference
+from gemma4opt.ops.fp8_weights import QUANTIZED_BLOCKS, Fp8Linear, fp8_linears, quantize_linears
+from tests.models import VARIANTS, prompt, tiny
+
+FP8 = gemma4opt.Gemma4OptConfig(quantization="fp8")
+
+
+def _generate(model, ids, new=8):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+
+
+def _reference(model):
+    ref = copy.deepcopy(model)
+    quantize_linears(ref)
+    return ref
+
+
+@pytest.mark.parametrize("attention", ["hf", "paged"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tokens_equal_the_fp8_reference_path(variant, attention):
+    model = tiny(variant)
+    ref = _reference(model)
+    ids = prompt(2, 11)
+    want = _generate(ref, ids)
+    assert not torch.equal(want, _generate(model, ids)), "fp8 changed no token: the test would not see a mix-up"
+    gemma4opt.optimize(model, gemma4opt.Gemma4OptConfig(quantization="fp8", attention=attention))
+    assert torch.equal(_generate(model, ids), want)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    rep = gemma4opt.report(model, print_table=False)
+    assert all(r.complete for r in rep.rows), str(rep)
+    assert rep.row("fp8_quant").matched == 3 * model.config.num_hidden_layers
+
+
+def test_every_attention_and_mlp_projection_is_fp8_and_no_bf16_copy_is_kept():
+    model = tiny("tiny-moe", dtype=torch.bfloat16)
+    before = {n: p.shape for n, p in model.named_parameters()}
+    gemma4opt.optimize(model, FP8)
+    names = {n for blocks in QUANTIZED_BLOCKS.values() for n in blocks}
+    swapped = [n for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    assert swapped and all(n.rsplit(".", 1)[1] in names for n in swapped)
+    assert not any(isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in names
+                   for n, m in model.named_modules())
+    params = dict(model.named_parameters())
+    assert not any(n.rsplit(".", 2)[-2] in names for n in params), "a bf16 projection weight is still held"
+    assert set(params) == {n for n in before if n.rsplit(".", 2)[-2] not in names}
+    for m in fp8_linears(model):
+        assert m.weight.dtype == FP8_DTYPE and m.weight_scale.dtype == torch.float32
+    # merged q/k/v and gate/up: every projection's fp8 weight and scales are views of one tensor each
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.k_proj.weight.untyped_storage().data_ptr()
+
+
+def test_weights_match_quantizing_the_bf16_weights():
+    model = tiny("tiny", dtype=torch.bfloat16)
+    want = model.model.layers[1].mlp.down_proj.weight.detach().clone()
+    gemma4opt.optimize(model, FP8)
+    got = model.model.layers[1].mlp.down_proj
+    q, s = quantize_weight_reference(want)
+    assert torch.equal(got.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(got.weight_scale, s)
+
+
+def test_to_dtype_keeps_fp8_bytes_and_fp32_scales():
+    model = tiny("tiny", dtype=torch.bfloat16)
+    gemma4opt.optimize(model, FP8)
+    ids = prompt(1, 7)
+    model.to(torch.float32)
+    for m in fp8_linears(model):
+        assert m.weight.dtype == FP8_DTYPE and m.weight_scale.dtype == torch.float32
+    assert next(model.parameters()).dtype == torch.float32
+    ref = _reference(tiny("tiny", dtype=torch.bfloat16).to(torch.float32))
+    assert torch.equal(_generate(model, ids, 4), _generate(ref, ids, 4))
+
+
+def test_load_state_dict_of_the_unquantized_model_quantizes_it():
+    src = tiny("tiny", seed=3)
+    model = tiny("tiny")
+    gemma4opt.optimize(model, FP8)
+    model.load_state_dict(src.state_dict(), strict=False)
+    ref = _reference(tiny("tiny", seed=3))
+    ids = prompt(2, 9)
+    assert torch.equal(_generate(model, ids, 4), _generate(ref, ids, 4))
+
+
+def test_quantization_cannot_be_undone_or_saved(tmp_path):
+    model = tiny("tiny")
+    gemma4opt.optimize(model, FP8)
+    with pytest.raises(ValueError, match="bf16 weights are gone"):
+        gemma4opt.optimize(model, gemma4opt.Gemma4OptConfig())
+    assert gemma4opt.report(model, print_table=False).weights.startswith("fp8 e4m3")   # still the fp8 model
+    with pytest.raises(NotImplementedError, match="quantization='fp8'"):
+        model.save_pretrained(tmp_path)
+    gemma4opt.optimize(model, gemma4opt.Gemma4OptConfig(quantization="fp8", attention="paged"))   # fp8 stays fp8
+    assert len(fp8_linears(model)) == 4 * model.config.num_hidden_layers + 3 * model.config.num_hidden_layers \
+        - _missing(model)
+
+
+def _missing(model):
+    """Projections a tiny variant does not own (k_eq_v: no v_proj; KV-shared layers: q_proj only)."""
+    names = [n for blocks in QUANTIZED_BLOCKS.values() for n in blocks]
+    return sum(getattr(m, n, None) is None for m in model.modules()
+               if type(m).__name__ in QUANTIZED_BLOCKS for n in names if n in QUANTIZED_BLOCKS[type(m).__name__])
+
+
+def test_report_names_what_is_fp8_and_what_is_not():
+    model = tiny("tiny")
+    plain = tiny("tiny")
+    gemma4opt.optimize(model, FP8)
+    gemma4opt.optimize(plain)
+    ids = prompt(1, 5)
+    _generate(model, ids, 2)
+    _generate(plain, ids, 2)
+    text = str(gemma4opt.report(model, print_table=False))
+    assert "weights: fp8 e4m3" in text and "lm_head" in text and "MoE experts" in text
+    assert "fp8_quant" in text and "weights:" not in str(gemma4opt.report(plain, print_table=False))
+    assert "fp8_quant" not in str(gemma4opt.report(plain, print_table=False))

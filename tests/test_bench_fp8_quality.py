@@ -1,0 +1,24 @@
+"""benchmarks/bench_fp8_quality.py on a tiny preset (CPU): rows for each system, and gemma4opt's
+fp8 logits equal to the fp8 reference path's (the same KL and top-1)."""
+import importlib.util
+import json
+import os
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_fp8_quality.py")
+
+
+def _main(argv):
+    spec = importlib.util.spec_from_file_location("bench_fp8_quality", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main(argv)
+
+
+def test_rows_and_gemma4opt_equal_to_the_reference_path(tmp_path):
+    out = tmp_path / "q.jsonl"
+    rows = _main(["--preset", "tiny", "--seq", "32", "--block", "32", "--device", "cpu", "--json", str(out)])
+    by = {r["system"]: r for r in rows}
+    assert set(by) == {"hf-finegrained-fp8", "fp8-reference", "gemma4opt-fp8"}
+    assert by["gemma4opt-fp8"]["kl"] == by["fp8-reference"]["kl"] and by["gemma4opt-fp8"]["top1"] == by["fp8-reference"]["top1"]
+    assert all(0 < r["kl"] < 0.1 and r["positions"] == 64 for r in rows)
+    assert [json.loads(line)["system"] for line in out.read_text().splitlines()] == [r["system"] for r in rows]
