@@ -138,3 +138,22 @@ def test_report_and_pool_bytes_halve_against_bf16():
     page = 4 * a.kv_bytes_per_token()
     assert pool_pages(cfg, budget, torch.float8_e4m3fn, 20 * page) == 2 * pool_pages(cfg, budget, torch.bfloat16,
                                                                                   20 * page) == 40
+
+
+@pytest.mark.parametrize("variant", ["tiny-k-eq-v", "tiny-ple-shared"])
+def test_with_fp8_weights_too(variant):
+    """quantization="fp8" and kv_cache_dtype="fp8" together: tokens equal the fp8-weight reference
+    path (the same Fp8Linear swap on an unoptimized copy) over the e4m3-rounding cache."""
+    import copy
+
+    from gemma4opt.ops.fp8_weights import quantize_linears
+
+    model = tiny(variant)
+    ref = copy.deepcopy(model)
+    quantize_linears(ref)
+    ids = prompt(2, 2 * WINDOW + 3, seed=4)
+    want = fp8_reference(ref, ids, attention_mask=torch.ones_like(ids))
+    gemma4opt.optimize(model, dataclasses.replace(FP8, quantization="fp8"))
+    assert torch.equal(gen(model, ids, attention_mask=torch.ones_like(ids)), want)
+    rep = gemma4opt.report(model, print_table=False)
+    assert rep.weights and rep.kv_cache.startswith("float8_e4m3fn") and all(r.complete for r in rep.rows)
