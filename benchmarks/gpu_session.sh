@@ -12,6 +12,10 @@
 # Suites (limits are per step; a fresh machine JIT-compiles FlashInfer first, ~30 s per kernel
 # configuration, ~2-3 min for the 31b's: keep suites that share configurations back to back while
 # the machine is warm):
+#   tests      tests/gpu and tests/kernels in one call, spread over 8 pytest-xdist workers on the one GPU
+#              (most of each test is compiling: Inductor, Triton, FlashInfer's JIT, which its file lock
+#              keeps to one worker per configuration). Needs pytest-xdist: carry its wheel and execnet's
+#              in .whl/ (pip download --no-deps pytest-xdist execnet). Limit 540 s.
 #   tests-kernels  tests/kernels compiled on the GPU: every Triton kernel against its reference, the
 #              PDL chain (limit 560 s: ~400 tests, ~0.7 s each on a fresh machine, most of it compiling).
 #   tests-gpu  tests/gpu but the paged file: the decode kernel, generate features, fp8 ops, generate
@@ -26,10 +30,13 @@
 #              prompt lookup, tokens == eager; limit 300 s), then bench_assisted.py: e2b drafting for
 #              the 31b x 12 against the 31b alone, HF's draft schedule (limit 420 s), and 7-token drafts
 #              all accepted (--accept-all, limit 300 s).
-#   speed      31b x 12 layers, batch 1 and 32: the one-liner (every default, first on a fresh machine
-#              so its warm-up includes FlashInfer's JIT), the paged mode sized for the run, HF static
-#              cache + torch.compile, HF eager (limit 560 s; the one-liner's first generate took 168 s
-#              fresh); then batch 8 and 128 of the paged mode against both baselines (limit 560 s).
+#   speed      31b x 12 layers, batch 1 and 32: the one-liner (every default), with fp8 weights, with fp8
+#              weights and KV, HF static cache + torch.compile, HF eager (limit 420 s; the one-liner's
+#              first generate took 168 s on a fresh machine, FlashInfer's JIT included); then, where
+#              .baseline/ holds an older checkout of this repo (carry it), that code's one-liner in the
+#              same call (limit 140 s), for a
+#              before/after comparison on one machine. speed-batches: batch 8 and 128 of the paged mode
+#              against both baselines (limit 560 s).
 #   fp8        FP8: tests/gpu/test_gpu_fp8*.py (ops, fused quantizing producers, fp8 KV, the optimized fp8
 #              model at real dims; limit 400 s), then bench_fp8_quality.py on the 31b x 12: KL and top-1
 #              against bf16 of gemma4opt's fp8, the fp8 reference path and FineGrainedFP8's scheme (180 s).
@@ -72,14 +79,20 @@ GEN="python3 benchmarks/bench_generate.py --preset"
 PAGED_KERNELS="flashinfer_matches_reference or fast_replan"
 for s in "$@"; do
   case $s in
+    tests) stage tests 540 $PYTEST -n 8 tests/gpu tests/kernels ;;
     tests-kernels) stage tests-kernels 560 $PYTEST tests/kernels ;;
     tests-gpu) stage tests-gpu 560 $PYTEST tests/gpu --ignore=tests/gpu/test_gpu_paged.py ;;
     tests-paged) MAX_JOBS=16 stage tests-paged 560 $PYTEST -s tests/gpu/test_gpu_paged.py -k "$PAGED_KERNELS" ;;
     tests-paged-generate)
       MAX_JOBS=16 stage tests-paged-generate 560 $PYTEST -s tests/gpu/test_gpu_paged.py -k "not ($PAGED_KERNELS)" ;;
     speed)
-      stage speed-oneliner 560 $GEN 31b --layers 12 --batch 1 32 \
-            --systems gemma4opt gemma4opt-paged static_compile eager --json "$OUT/generate.jsonl"
+      stage speed-oneliner 420 $GEN 31b --layers 12 --batch 1 32 --systems gemma4opt gemma4opt-fp8 \
+            gemma4opt-fp8-kv8 static_compile eager --json "$OUT/generate.jsonl"
+      if [ -d .baseline/gemma4opt ]; then
+        (cd .baseline && export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} &&
+         stage speed-before 140 $GEN 31b --layers 12 --batch 1 32 --systems gemma4opt --json "$OUT/generate_before.jsonl")
+      fi ;;
+    speed-batches)
       stage speed-batches 560 $GEN 31b --layers 12 --batch 8 128 \
             --systems gemma4opt-paged static_compile eager --json "$OUT/generate.jsonl" ;;
     fp8)
@@ -116,6 +129,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-presets, speed-31b-full, kernels, attention, profile)" ;;
+    *) echo "unknown suite $s (tests, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, speed-presets, speed-31b-full, kernels, attention, profile)" ;;
   esac
 done

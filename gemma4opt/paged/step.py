@@ -85,7 +85,7 @@ class StepContext:
         self.backends = backends
         for kb in backends.values():
             for b in (kb.prefill, kb.decode):
-                b.kv_scale_host = self.kv_scale_host     # FlashInfer reads the scales as host floats
+                b.bind_kv_scales(self.kv_scale_host)
         self._routes: dict[tuple, dict[str, Backend]] = {}
         self._meta_cache: dict[tuple, tuple] = {}   # bound metadata named the old tables
         kinds = [k for k, b in backends.items() if b.decode.reads_table]

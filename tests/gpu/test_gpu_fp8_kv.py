@@ -24,7 +24,7 @@ def _flashinfer_backend(heads, kv_heads, head_dim, ps, window, scales, workspace
                      torch.bfloat16, KV_FP8, device="cuda")
     assert FlashInferBackend.refuses(g) is None
     backend = FlashInferBackend(g, workspace, max_pages=max_pages)
-    backend.kv_scale_host = {7: scales}          # as the StepContext hands it over; layer 7 owns the pool
+    backend.bind_kv_scales({7: scales})          # as the StepContext hands them over; layer 7 owns the pool
     return backend
 
 

@@ -49,9 +49,6 @@ class Backend:
     device_fields: tuple[str, ...] = ()           # page-list fields its op or its prepare reads on the device
     op_fields: tuple[str, ...] = ()               # of those, the ones its op takes (the rest only prepare reads)
     needs_new_lens = False                        # its op reads the new tokens per sequence
-    # An fp8 pool's scales as host floats, layer -> (k, v): the StepContext's, which it hands to
-    # every backend it uses (FlashInfer takes scales as floats; the others read the device tensors).
-    kv_scale_host: dict[int, tuple[float, float]] | None = None
 
     def __init__(self, geometry: KindGeometry):
         self.geometry = geometry
@@ -60,6 +57,11 @@ class Backend:
     def refuses(cls, geometry: KindGeometry) -> str | None:
         """Why this backend cannot run ``geometry`` (checked once, when the model is optimized), or None."""
         return None
+
+    def bind_kv_scales(self, host_scales: dict[int, tuple[float, float]]) -> None:
+        """An fp8 pool's scales as host floats, layer -> (k, v): the StepContext's own dict (set_kv_scales
+        updates it in place). Ignored by backends that read the device scale tensors ``attend`` gets;
+        FlashInfer keeps it (it takes scales as floats)."""
 
     def prepare(self, host, dev: dict[str, torch.Tensor], pad_to: int | None) -> None:
         """Host work before a step this backend runs: ``host`` is the kind's page lists

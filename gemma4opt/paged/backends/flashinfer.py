@@ -21,7 +21,7 @@ wrapper is FA2 (FlashInfer 0.6's FA3 reads fp8 KV only with fp8 queries; FA2 con
 to the queries' dtype in shared memory), and ``run`` gets the layer's scales as
 ``k_scale``/``v_scale``: FlashInfer folds k's into the softmax scale and multiplies the output by
 v's. It takes them as Python floats (a tensor k_scale would become the kernel's double sm_scale),
-so they come from the StepContext's host copy (``kv_scale_host``), not the device tensors the
+so they come from the StepContext's host copy (``bind_kv_scales``), not the device tensors the
 other backends read; a decode graph keeps the floats it was captured with, which is why scales
 are set before the first step (StepContext.set_kv_scales). FlashInfer's FA2 cannot load fp8
 pages at head_dim 64 (prefill.cuh's produce_kv): refused.
@@ -108,6 +108,7 @@ class FlashInferBackend(Backend):
         self.decode = False
         self.planned = False
         self.plans = self.decode_plans = 0
+        self.kv_scale_host: dict[int, tuple[float, float]] = {}
         _BACKENDS[self.handle] = self
 
     @classmethod
@@ -210,6 +211,9 @@ class FlashInferBackend(Backend):
             ev.record()
             self._plan_copied[id(wrapper)] = ev
 
+    def bind_kv_scales(self, host_scales: dict[int, tuple[float, float]]) -> None:
+        self.kv_scale_host = host_scales
+
     def run(self, q: torch.Tensor, kv: torch.Tensor, last_only: bool = False, layer: int = -1) -> torch.Tensor:
         """This step's attention for ``q`` [rows, heads, D] on the plan made by ``prepare``
         (``layer``: the owner of ``kv``, whose scales an fp8 pool is read with)."""
@@ -218,7 +222,7 @@ class FlashInferBackend(Backend):
                                "was not begun on this model)")
         scales = {}
         if self.fp8:
-            host = self.kv_scale_host or {}
+            host = self.kv_scale_host
             if layer not in host:
                 raise RuntimeError(f"gemma4opt.paged_attention_flashinfer: no KV scales for layer {layer} of this fp8 "
                                    "pool (the backend was not given its StepContext's)")
