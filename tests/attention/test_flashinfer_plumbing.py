@@ -223,3 +223,31 @@ def test_flashinfer_refuses_fp8_pages_at_head_dim_64():
     assert FlashInferBackend.refuses(geometry(64, torch.bfloat16)) is None
     assert "fp8 KV pool at head_dim 64" in FlashInferBackend.refuses(geometry(64, torch.float8_e4m3fn))
     assert "float16" in FlashInferBackend.refuses(geometry(256, torch.float16))
+
+
+def test_fp8_pages_above_head_dim_256_prefill_on_the_reference_before_sm100(monkeypatch):
+    """FlashInfer 0.6 builds FA2 with one-byte KV above head_dim 256 for sm100+ only: on a Hopper
+    the head_dim-512 kind of an fp8 pool prefills on the reference and decodes on the Triton kernel
+    (whatever decode_kernel says), the report says why; bf16 pools and sm100 keep FlashInfer."""
+    from gemma4opt.paged.backends import choose
+    from gemma4opt.paged.backends import flashinfer as fi
+    from gemma4opt.paged.backends.base import KindGeometry
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
+        BatchPrefillWithPagedKVCacheWrapper=_StandInWrapper))
+
+    def geoms(kv_dtype):
+        return {"sliding_attention": KindGeometry("sliding_attention", 8, 4, 256, 16, 32, torch.bfloat16, kv_dtype),
+                "full_attention": KindGeometry("full_attention", 8, 2, 512, 16, None, torch.bfloat16, kv_dtype)}
+
+    for decode_kernel in ("triton", "flashinfer", "auto"):
+        got = choose(geoms(torch.float8_e4m3fn), True, decode_kernel, max_pages=8, max_batch=2)
+        full, sliding = got["full_attention"], got["sliding_attention"]
+        assert (full.prefill.name, full.decode.name) == ("reference", "triton")
+        assert "sm100+" in full.refused["flashinfer"] and "sm_90" in full.refused["flashinfer"]
+        assert sliding.prefill.name == "flashinfer"
+    got = choose(geoms(torch.bfloat16), True, "auto", max_pages=8, max_batch=2)
+    assert got["full_attention"].prefill.name == got["full_attention"].decode.name == "flashinfer"
+    monkeypatch.setattr(fi, "device_capability", lambda device: (10, 0))
+    got = choose(geoms(torch.float8_e4m3fn), True, "auto", max_pages=8, max_batch=2)
+    assert got["full_attention"].prefill.name == "flashinfer"

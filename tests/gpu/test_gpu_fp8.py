@@ -66,7 +66,8 @@ def test_fused_quant_ops_equal_the_unfused_kernels_quantized(rows):
     """rms_norm_quant (31b hidden 5376), add_rms_norm_quant, gelu_tanh_mul_quant at the 31b's FFN
     width 21504 (in chunks, two passes) and the e4b's 10240: the same bytes and scales as
     quantize_rows of the unfused kernel's output at 1 and 32 rows (32 warps per row). At 300 rows
-    (8 warps) rms_norm_quant's bytes differed from it on the H200 (how many was not recorded): two
+    (8 warps) rms_norm_quant's bytes differed from it on the H200 (1 of 1.6M, one fp8 ulp), and
+    add_rms_norm_quant's residual sum from add_rms_norm's in places: two
     separately compiled kernels need not round alike (ptxas may contract a multiply and an add into
     one FMA in one and not the other), so there a norm value may land one bf16 ulp away, its byte one
     fp8 ulp away, and the row's scale one bf16 ulp of its amax away; the counts are printed."""
@@ -94,7 +95,11 @@ def test_fused_quant_ops_equal_the_unfused_kernels_quantized(rows):
     scale = torch.tensor([0.7], device="cuda", dtype=torch.bfloat16)
     s, q, qs = ops.add_rms_norm_quant(x, r, w1, 1e-6, scale, w2, 1e-6)
     us, un = add_rms_norm_triton(x, r, w1, 1e-6, scale, w2, 1e-6)
-    assert torch.equal(s, us)
+    # The residual sum: equal at 1 and 32 rows; at 300 rows (8 warps) on the H200, 1 bf16 ulp apart
+    # in places, as the bytes above (separately compiled kernels contract differently).
+    s_ulps = (s.view(torch.int16).int() - us.view(torch.int16).int()).abs()
+    print(f"rows {rows}: {int((s_ulps > 0).sum())} of {s.numel()} residual sums differ (max {int(s_ulps.max())} ulp)")
+    assert torch.equal(s, us) if rows <= 32 else int(s_ulps.max()) <= 1
     same((q, qs), quantize_rows_reference(un))
     for d in (21504, 10240):
         gu = torch.randn(rows, 2 * d, device="cuda", dtype=torch.bfloat16) * 3

@@ -4,8 +4,10 @@ Per attention kind the model gets a prefill backend and a decode backend, once, 
 optimized (``choose``):
 - CPU: the reference for both (reference.py);
 - CUDA: FlashInfer for prefill (flashinfer.py); for decode the Triton kernel (triton.py) when
-  ``decode_kernel`` asks for it and it takes the geometry, else FlashInfer again. What was
-  refused, and why, goes to the report.
+  ``decode_kernel`` asks for it and it takes the geometry, else FlashInfer again. A kind
+  FlashInfer cannot run on this GPU though the paged path can (``leaves_to_reference``: fp8
+  pages at head_dim 512 before sm100) prefills on the reference and decodes on the Triton
+  kernel. What was refused, and why, goes to the report.
 """
 from __future__ import annotations
 
@@ -43,11 +45,17 @@ def paged_unsupported(dtype, text_config, kv_dtype=None) -> str | None:
     """Why the CUDA paged path (FlashInfer prefill) cannot run this model (with a pool of
     ``kv_dtype``, default the model's), or None."""
     from gemma4opt.paged.backends.flashinfer import FlashInferBackend
+    from gemma4opt.paged.backends.triton import TritonDecodeBackend
 
     for g in geometries(text_config, 1, "cuda", dtype, kv_dtype).values():
         why = FlashInferBackend.refuses(g)
         if why is not None:
             return why
+        # Left to the reference at prefill, the kind decodes on the Triton kernel (the reference
+        # reads page lists on the host: no decode graphs).
+        left = FlashInferBackend.leaves_to_reference(g)
+        if left and TritonDecodeBackend.refuses(g):
+            return f"{left}, and the Triton decode kernel refuses it: {TritonDecodeBackend.refuses(g)}"
     return None
 
 
@@ -64,18 +72,25 @@ def choose(geoms: dict[str, KindGeometry], cuda: bool, decode_kernel: str, max_p
             ref = ReferenceBackend(g)
             out[kind] = KindBackends(ref, ref)
         return out
-    from gemma4opt.paged.backends.flashinfer import flashinfer_backends
+    from gemma4opt.paged.backends.flashinfer import FlashInferBackend, flashinfer_backends
+    from gemma4opt.paged.backends.reference import ReferenceBackend
     from gemma4opt.paged.backends.triton import TritonDecodeBackend
 
-    prefill = flashinfer_backends(geoms, max_pages, max_batch, fast_replan)
+    left = {kind: FlashInferBackend.leaves_to_reference(g) for kind, g in geoms.items()}
+    flashinfer = {kind: g for kind, g in geoms.items() if not left[kind]}
+    prefill = flashinfer_backends(flashinfer, max_pages, max_batch, fast_replan) if flashinfer else {}
     out = {}
     for kind, g in geoms.items():
-        out[kind] = KindBackends(prefill[kind], prefill[kind])
-        if decode_kernel == "flashinfer":
-            continue
-        if decode_kernel == "auto" and g.head_dim > 256:
-            out[kind].refused["triton"] = f"decode_kernel='auto' keeps head_dim {g.head_dim} on FlashInfer"
-            continue
+        if left[kind]:
+            ref = ReferenceBackend(g)
+            out[kind] = KindBackends(ref, ref, {"flashinfer": left[kind]})
+        else:
+            out[kind] = KindBackends(prefill[kind], prefill[kind])
+            if decode_kernel == "flashinfer":
+                continue
+            if decode_kernel == "auto" and g.head_dim > 256:
+                out[kind].refused["triton"] = f"decode_kernel='auto' keeps head_dim {g.head_dim} on FlashInfer"
+                continue
         why = TritonDecodeBackend.refuses(g)
         if why is None:
             out[kind].decode = TritonDecodeBackend(g)

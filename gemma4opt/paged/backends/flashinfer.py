@@ -51,6 +51,15 @@ _handles = itertools.count()
 # so this only says when a first plan may take ~30 s (a progress note), never what runs.
 _FIRST_PLANS: set[tuple] = set()
 WORKSPACE_BYTES = 256 << 20     # FlashInfer's float scratch, at least (prefill's split-KV partials)
+def device_capability(device) -> tuple[int, int]:
+    """The compute capability of ``device``'s GPU; off CUDA (the CPU tests, FlashInfer stood in) a
+    Hopper's, the GPU the CUDA path is measured on."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_capability(device)
+    return (9, 0)
+
+
 HEAD_DIMS = (64, 128, 256, 512)   # the head dims FlashInfer 0.6's paged kernels are built for
 
 
@@ -125,6 +134,21 @@ class FlashInferBackend(Backend):
             return ("an fp8 KV pool at head_dim 64: FlashInfer 0.6's FA2 kernels do not load fp8 pages of 64 "
                     "(prefill.cuh, produce_kv); use kv_cache_dtype='auto' for this model")
         return None
+
+    @classmethod
+    def leaves_to_reference(cls, geometry: KindGeometry) -> str | None:
+        """Why FlashInfer cannot run this kind on this GPU where the reference backend can stand in
+        for its prefill (and the Triton kernel for its decode), or None: fp8 pages above head_dim
+        256 before sm100. FlashInfer 0.6 builds its FA2 kernels with one-byte KV over 256-wide heads
+        for sm100+ only (jit/attention/modules.py, _fa2_head_dim_nvcc_flags): on an H200 the full
+        layers of every Gemma-4 (head_dim 512) cannot prefill an fp8 pool on it."""
+        if geometry.kv_dtype != KV_FP8 or geometry.head_dim <= 256:
+            return None
+        major, minor = device_capability(geometry.device)
+        if major >= 10:
+            return None
+        return (f"an fp8 KV pool at head_dim {geometry.head_dim} on sm_{major}{minor}: FlashInfer 0.6 builds FA2 "
+                "with one-byte KV above head_dim 256 for sm100+ only; prefill runs on the reference (gather + SDPA)")
 
     def prepare(self, host, dev, pad_to) -> None:
         self.plan(host.qo_indptr, host.kv_indptr, host.kv_last_page_len, dev[f"{self.geometry.kind}.kv_indices"],
