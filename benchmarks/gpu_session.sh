@@ -12,10 +12,13 @@
 # Suites (limits are per step; a fresh machine JIT-compiles FlashInfer first, ~30 s per kernel
 # configuration, ~2-3 min for the 31b's: keep suites that share configurations back to back while
 # the machine is warm):
-#   tests      tests/gpu and tests/kernels in one call, spread over 8 pytest-xdist workers on the one GPU
-#              (most of each test is compiling: Inductor, Triton, FlashInfer's JIT, which its file lock
-#              keeps to one worker per configuration). Needs pytest-xdist: carry its wheel and execnet's
-#              in .whl/ (pip download --no-deps pytest-xdist execnet). Limit 540 s.
+#   tests      tests/kernels and tests/gpu but the two files below, spread over 8 pytest-xdist workers on
+#              the one GPU (most of each test is compiling: Inductor, Triton, FlashInfer's JIT, which its
+#              file lock keeps to one worker per configuration). Needs pytest-xdist: carry its wheel and
+#              execnet's in .whl/ (pip download --no-deps pytest-xdist execnet). Limit 540 s.
+#   tests-oneliner  test_gpu_generate.py and test_gpu_features.py in one process: the one-liner sizes its
+#              KV pool from the memory free when it runs, so next to other workers' models it takes
+#              what they then miss (limit 560 s).
 #   tests-kernels  tests/kernels compiled on the GPU: every Triton kernel against its reference, the
 #              PDL chain (limit 560 s: ~400 tests, ~0.7 s each on a fresh machine, most of it compiling).
 #   tests-gpu  tests/gpu but the paged file: the decode kernel, generate features, fp8 ops, generate
@@ -79,7 +82,10 @@ GEN="python3 benchmarks/bench_generate.py --preset"
 PAGED_KERNELS="flashinfer_matches_reference or fast_replan"
 for s in "$@"; do
   case $s in
-    tests) stage tests 540 $PYTEST -n 8 tests/gpu tests/kernels ;;
+    tests) stage tests 540 $PYTEST -n 8 tests/gpu tests/kernels --ignore=tests/gpu/test_gpu_generate.py \
+             --ignore=tests/gpu/test_gpu_features.py ;;
+    tests-oneliner) MAX_JOBS=16 stage tests-oneliner 560 $PYTEST -s tests/gpu/test_gpu_generate.py \
+             tests/gpu/test_gpu_features.py ;;
     tests-kernels) stage tests-kernels 560 $PYTEST tests/kernels ;;
     tests-gpu) stage tests-gpu 560 $PYTEST tests/gpu --ignore=tests/gpu/test_gpu_paged.py ;;
     tests-paged) MAX_JOBS=16 stage tests-paged 560 $PYTEST -s tests/gpu/test_gpu_paged.py -k "$PAGED_KERNELS" ;;
@@ -129,6 +135,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, speed-presets, speed-31b-full, kernels, attention, profile)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, speed-presets, speed-31b-full, kernels, attention, profile)" ;;
   esac
 done

@@ -39,7 +39,9 @@ def gen(model, ids, new=10, **kw):
 
 
 def fp8_reference(model, ids, scales=None, **kw):
-    return gen(model, ids, cache=RoundingCache(scales, config=model.config), **kw)
+    # past_key_values: the name every transformers 5.x takes (later ones call it cache, and still
+    # accept this one).
+    return gen(model, ids, past_key_values=RoundingCache(scales, config=model.config), **kw)
 
 
 def _cases():
