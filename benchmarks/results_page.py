@@ -22,7 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 PAGE = os.path.join(ROOT, "docs", "results.md")
 SYSTEM_NAMES = {"eager": "HF eager", "static_compile": "HF static cache + torch.compile",
-                "gemma4opt": "gemma4opt one-liner", "gemma4opt-paged": "gemma4opt paged, sized for the run"}
+                "gemma4opt": "gemma4opt one-liner", "gemma4opt-paged": "gemma4opt paged, sized for the run",
+                "gemma4opt-fp8": "gemma4opt one-liner, fp8 weights"}
 
 
 def _rows(pattern):
