@@ -82,10 +82,13 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--systems", nargs="+", default=["hf-finegrained-fp8", "fp8-reference", "gemma4opt-fp8"],
                     choices=["hf-finegrained-fp8", "fp8-reference", "gemma4opt-fp8"])
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                    help="the reference model's dtype (default: bfloat16 on CUDA, float32 elsewhere)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--run", default=None)
     args = ap.parse_args(argv)
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    dtype = (getattr(torch, args.dtype) if args.dtype else
+             torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     model = build_model(args.preset, args.layers, dtype=dtype, device=args.device)
     cfg = model.config.get_text_config()
     ids = torch.randint(3, cfg.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
@@ -112,7 +115,7 @@ def main(argv=None):
             argv if argv is not None else sys.argv[1:]), preset=args.preset, layers=cfg.num_hidden_layers,
                    positions=args.batch * args.seq, dtype=str(dtype).replace("torch.", ""), system=system,
                    kl=kl, top1=top1)
-        print(f"{system:>20}  KL {kl:.5f} nats  top-1 agreement {top1:.4f}", flush=True)
+        print(f"{system:>20}  KL {kl:.3g} nats  top-1 agreement {top1:.4f}", flush=True)
         rows.append(row)
         del m
         if args.device.startswith("cuda"):

@@ -140,6 +140,20 @@ def attention_section(rows):
                    f"{r['kv_mb']:.1f}", _pct(r["bw_frac"])])
 
 
+def fp8_quality_section(rows):
+    return _table_section(
+        "fp8 quality", "Teacher-forced logits of the same random-weight model with its attention and dense-MLP "
+        "projections in fp8, against the model in its own dtype (bench_fp8_quality.py): mean KL(reference ‖ fp8) "
+        "per position and top-1 agreement. Systems: gemma4opt's optimized fp8 model; the fp8 reference path "
+        "(its semantics in plain torch: per-channel weight scales, per-token activation scales); transformers' "
+        "FineGrainedFP8 scheme (128 × 128 weight blocks, 1 × 128 activation groups) emulated in torch, the anchor. "
+        "Random weights of a few layers move the logits little: compare systems within a run.", rows,
+        ["model", "positions", "dtype", "system", "KL (nats)", "top-1"],
+        ["---", "---:", "---", "---", "---:", "---:"],
+        lambda r: [f"{r['preset']} × {r['layers']}", str(r["positions"]), r["dtype"], r["system"],
+                   f"{r['kl']:.3g}", f"{r['top1']:.4f}"])
+
+
 def sweeps_section(rows):
     return _table_section(
         "sweeps", "Launch configurations of one kernel timed one by one; `default` is the launch the code used when "
@@ -172,6 +186,7 @@ def render() -> str:
     lines += kernels_section(_rows("kernels_*.jsonl"))
     lines += assisted_section(_rows("assisted_*.jsonl"))
     lines += attention_section(_rows("attention_*.jsonl"))
+    lines += fp8_quality_section(_rows("fp8_quality_*.jsonl"))
     lines += sweeps_section(_rows("sweeps_*.jsonl"))
     lines += profile_section()
     return "\n".join(lines).rstrip() + "\n"
