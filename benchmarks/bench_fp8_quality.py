@@ -30,12 +30,17 @@ from gemma4opt.presets import ALL_PRESETS, build_model
 
 
 def _blocks_quant(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """x [R, C] quantized and dequantized in (rows x cols) blocks, one scale each (fp32 math)."""
+    """x [R, C] quantized and dequantized in (rows x cols) blocks, one scale each (fp32 math); the
+    last blocks of a side that is not a multiple are partial, as FineGrainedFP8's scales
+    (ceil(N / block) x ceil(K / block)) make them: zero padding changes no block's amax."""
     R, C = x.shape
-    xf = x.float().reshape(R // rows, rows, C // cols, cols)
+    pr, pc = -R % rows, -C % cols
+    xf = torch.nn.functional.pad(x.float(), (0, pc, 0, pr))
+    Rp, Cp = xf.shape
+    xf = xf.reshape(Rp // rows, rows, Cp // cols, cols)
     scale = (xf.abs().amax(dim=(1, 3), keepdim=True) / torch.full((), FP8_MAX, device=x.device)).clamp_min(SCALE_MIN)
     q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return (q.float() * scale).reshape(R, C)
+    return (q.float() * scale).reshape(Rp, Cp)[:R, :C]
 
 
 class BlockFp8Linear(torch.nn.Module):
@@ -44,9 +49,6 @@ class BlockFp8Linear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear, block: int):
         super().__init__()
-        N, K = linear.weight.shape
-        if N % block or K % block:
-            raise ValueError(f"BlockFp8Linear: weight {N}x{K} is not a multiple of the {block} block")
         self.block = block
         self.register_buffer("w", _blocks_quant(linear.weight.detach(), block, block))
 
