@@ -48,6 +48,11 @@
 #   speed-presets   e4b and 26b-a4b at batch 1, paged mode vs HF static + compile vs eager
 #              (limit 400 s each).
 #   speed-31b-full  the 60-layer 31b at batch 1, same systems (limit 590 s; 62 GB, no model copies).
+#   tp         on nvidia-h200-x2 only: tests/gpu/test_gpu_tensor_parallel.py (two ranks over NCCL, every
+#              tiny variant, CUDA graphs capturing the all-reduces; limit 300 s), then bench_tp.py under
+#              torchrun: the 31b x 12 at batch 1 and 32, gemma4opt's split against HF's tp_plan="auto"
+#              with static cache + compile (needs accelerate: carry its wheel in .whl/; limit 560 s),
+#              then the 60-layer 31b at batch 1 (limit 590 s).
 #   kernels    bench_kernels.py: every fused Triton kernel against Inductor's code (limit 330 s), then
 #              the decode GEMMs against cuBLAS (limit 300 s).
 #   attention  bench_attention.py: the Triton decode kernel and FlashInfer's decode over paged KV,
@@ -117,6 +122,12 @@ for s in "$@"; do
     speed-31b-full)
       stage speed-31b-full 590 $GEN 31b --batch 1 --systems eager static_compile gemma4opt-paged \
             --json "$OUT/generate.jsonl" ;;   # 62 GB: gemma4opt last, on the model itself
+    tp)
+      MAX_JOBS=16 stage tp-tests 300 $PYTEST -s tests/gpu/test_gpu_tensor_parallel.py
+      stage tp-31b 560 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_tp.py --preset 31b \
+            --layers 12 --batch 1 32 --json "$OUT/generate.jsonl"
+      stage tp-31b-full 590 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_tp.py \
+            --preset 31b --batch 1 --json "$OUT/generate.jsonl" ;;
     kernels)
       stage kernels 330 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json"
       stage kernels-linear 300 python3 benchmarks/bench_kernels.py --linear --presets 31b e4b --m 1 8 32 \
@@ -135,6 +146,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, speed-presets, speed-31b-full, kernels, attention, profile)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, speed-presets, speed-31b-full, tp, kernels, attention, profile)" ;;
   esac
 done

@@ -31,6 +31,7 @@ from gemma4opt.runtime import decode_graphs
 from gemma4opt.runtime.static_cache import install_static_cache_reuse
 from gemma4opt.runtime.stop_check import install_deferred_stop_check
 from gemma4opt.step_inputs import cache_of, one_token_step, step_input
+from gemma4opt.tensor_parallel import Shard, plan_shard, shard_model, sharded
 
 SUPPORTED_CLASSES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -77,6 +78,7 @@ class OptimizationState:
     graph_pool: object = None                    # CUDA graph memory pool shared by this model's decode graphs
     stop_check: str = "per step (HF)"            # how generate checks for the end (runtime/stop_check.py)
     quantized: dict[str, int] = field(default_factory=dict)   # quantization="fp8": Fp8Linear swaps (report)
+    shard: Shard | None = None                   # tensor_parallel: this rank's share (tensor_parallel.py)
     # Counters (report).
     graphs_compiled: int = 0
     compiled_calls: int = 0
@@ -145,6 +147,7 @@ def optimize(model, config: Gemma4OptConfig | None = None):
         if config is None or config == old.user_config:
             return model
         _check_not_unquantizing(target, config)      # before the revert: a refusal leaves the model as it was
+        _check_not_unsharding(target, config)
         warnings.warn(f"gemma4opt.optimize: this model was optimized with {old.user_config}; re-optimizing it "
                       f"with {config} (graphs are compiled again and the KV pool is rebuilt)", stacklevel=2)
         _revert(model)
@@ -162,6 +165,13 @@ def _check_not_unquantizing(target, config: Gemma4OptConfig) -> None:
         raise ValueError("gemma4opt.optimize: this model's linears were quantized to fp8 by an earlier "
                          "optimize(..., Gemma4OptConfig(quantization='fp8')) and its bf16 weights are gone; "
                          "keep quantization='fp8', or load the model again for bf16")
+
+
+def _check_not_unsharding(target, config: Gemma4OptConfig) -> None:
+    if not config.tensor_parallel and sharded(target) is not None:
+        raise ValueError("gemma4opt.optimize: this model was split across ranks by an earlier optimize(..., "
+                         "Gemma4OptConfig(tensor_parallel=True)) and holds this rank's weights only; keep "
+                         "tensor_parallel=True, or load the model again")
 
 
 def _revert(model) -> None:
@@ -184,9 +194,12 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
     if cfg.attention == "paged":
         check_paged_supported(device, dtype, text_config, kv_pool_dtype(cfg.kv_cache_dtype, dtype))
     _check_not_unquantizing(target, cfg)
+    _check_not_unsharding(target, cfg)
+    shard = sharded(target) or (plan_shard(text_config) if cfg.tensor_parallel else None)
     scope = "causal_lm" if target is model else "text_model"
     state = OptimizationState(cfg, type(model).__name__, scope, text_config)
     state.user_config, state.mode_reason, state.edits = user_config, mode_reason, edits
+    state.shard = shard
     state.hf_attn = text_config._attn_implementation
 
     reason = _unrecognized_config(text_config)
@@ -242,6 +255,11 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
     _install_generate_checks(model, state, edits)
     # Last, once nothing else can fail: fp8 weights and weight merges cannot be undone without a
     # second copy. The merge (merged_projections) merges the fp8 weights and scales as it would bf16.
+    # The split comes first: the fp8 scales are those of this rank's rows.
+    if shard is not None:
+        if sharded(target) is None:
+            shard_model(target, text_config, shard)
+        edits.set(model, "save_pretrained", _refuse_save_sharded)
     if cfg.quantization == "fp8":
         state.quantized = quantize_linears(target, drop_attrs=(MERGED_ATTR,))
         edits.set(model, "save_pretrained", _refuse_save)
@@ -250,6 +268,12 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
     edits.set(target, "forward", _make_forward(target, state))
     edits.set(model, "_apply", _make_apply(model))
     edits.set(model, "_gemma4opt", state)
+
+
+def _refuse_save_sharded(*args, **kwargs):
+    raise NotImplementedError(
+        "gemma4opt: a model optimized with tensor_parallel=True holds this rank's share of the weights only; "
+        "save the model before optimize()")
 
 
 def _refuse_save(*args, **kwargs):

@@ -91,6 +91,13 @@ class Gemma4OptConfig:
         k and v are quantized as they are appended and dequantized by the attention kernels. Needs
         attention="paged" (HF's cache holds the KV otherwise). ``report()`` shows the KV dtype and
         bytes per token and per sequence.
+    tensor_parallel: ``False`` (default). ``True``: split the model over the ranks of the default
+        torch.distributed process group, which must be initialized before optimize() (under
+        ``torchrun --nproc-per-node N``): each rank keeps its share of the attention heads (KV heads
+        too, replicated where there are fewer than ranks), of the MLP and of the MoE experts' width,
+        and all-reduces each block's output; embeddings, norms and the lm_head are replicated. Every
+        rank runs the same generate call (same inputs, same seed). It cannot be undone, and the
+        model cannot be saved after it. See gemma4opt/tensor_parallel.py.
     """
 
     patterns: tuple[str, ...] | None = None
@@ -109,6 +116,7 @@ class Gemma4OptConfig:
     decode_kernel: str = "triton"
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    tensor_parallel: bool = False
 
     def __post_init__(self):
         _check_fields(self)
@@ -215,8 +223,9 @@ def _check_fields(c: Gemma4OptConfig) -> None:
     for name in ("inductor", "cuda_graphs", "deferred_stop"):
         if getattr(c, name) is not None and not isinstance(getattr(c, name), bool):
             fail(name, "True, False or None (automatic)", TypeError)
-    if not isinstance(c.fast_replan, bool):
-        fail("fast_replan", "True or False", TypeError)
+    for name in ("fast_replan", "tensor_parallel"):
+        if not isinstance(getattr(c, name), bool):
+            fail(name, "True or False", TypeError)
     for name, low, optional in (("page_size", 1, False), ("max_batch_size", 1, True), ("max_seq_len", 1, True),
                                 ("kv_pool_pages", 2, True)):
         v = getattr(c, name)

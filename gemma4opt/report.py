@@ -44,6 +44,7 @@ class Report:
     cuda_graphs: bool = True    # decode as CUDA graphs (off on CPU: no graph counts to show)
     kv_cache: str = ""          # the paged pool's dtype and bytes per token / per sequence ("" in "hf" mode)
     weights: str = ""           # quantization="fp8": what is fp8, its bytes, and what is not
+    tensor_parallel: str = ""   # tensor_parallel=True: this rank's share
 
     def row(self, pattern: str) -> PatternRow:
         return next(r for r in self.rows if r.pattern == pattern)
@@ -66,6 +67,8 @@ class Report:
         lines.append(f"  generate stop check: {self.stop_check}")
         if self.weights:
             lines.append(f"  weights: {self.weights}")
+        if self.tensor_parallel:
+            lines.append(f"  tensor parallel: {self.tensor_parallel}")
         if self.decode_gemms:
             lines.append(f"  decode GEMMs (gemma4opt.linear): {self.decode_gemms}")
         if self.decode_experts:
@@ -116,7 +119,19 @@ def build_report(model) -> Report:
                   _decode_gemms(device, state.op_state) if dense and dense.expected else "",
                   _decode_experts(device, state.op_state) if moe and moe.expected else "",
                   state.mode_reason, bool(state.config.cuda_graphs), kv_cache=kv_cache,
-                  weights=_weights(model, state, device))
+                  weights=_weights(model, state, device), tensor_parallel=_tensor_parallel(state))
+
+
+def _tensor_parallel(state) -> str:
+    s = state.shard
+    if s is None:
+        return ""
+    from gemma4opt.tensor_parallel import local_heads
+
+    cfg = state.text_config
+    return (f"{s.describe()}: {local_heads(cfg, s)} of {cfg.num_attention_heads} attention heads, 1/{s.world} of "
+            "the MLP and experts' width; an all-reduce after each attention, MLP and experts block; embeddings, "
+            "norms and the lm_head replicated")
 
 
 def _kv_cache_line(ctx) -> str:

@@ -27,7 +27,7 @@ def check_paged_supported(device, dtype, text_config, kv_dtype=None) -> None:
 def install_paged(model, target, state, device, dtype, edits) -> None:
     """Paged attention for this instance: KV pool, attention function, and a generate that brings the cache."""
     register()
-    ctx = StepContext(state.text_config, state.config, device, dtype, state.fixed)
+    ctx = StepContext(state.text_config, state.config, device, dtype, state.fixed, shard=state.shard)
     state.context = ctx
     for module in target.modules():
         if type(module).__name__ == "Gemma4TextAttention":

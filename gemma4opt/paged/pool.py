@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from gemma4opt.ops.kv_append import KV_FP8
+from gemma4opt.tensor_parallel import local_kv_heads
 
 CPU_KV_POOL_BYTES = 1 << 30      # the CPU pool's cap (the CPU paged path is a reference, not a server)
 
@@ -46,13 +47,14 @@ def kv_pool_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
     return KV_FP8 if kv_cache_dtype == "fp8" else dtype
 
 
-def token_bytes(cfg, kv_dtype: torch.dtype) -> dict[int, int]:
-    """layer -> bytes of one token's K and V in the pool, for the layers that own KV."""
-    return {layer: 2 * cfg.per_layer_config[layer].num_key_value_heads * cfg.per_layer_config[layer].head_dim
+def token_bytes(cfg, kv_dtype: torch.dtype, shard=None) -> dict[int, int]:
+    """layer -> bytes of one token's K and V in the pool, for the layers that own KV (this rank's
+    KV heads with a tensor-parallel ``shard``)."""
+    return {layer: 2 * local_kv_heads(cfg, layer, shard) * cfg.per_layer_config[layer].head_dim
             * kv_dtype.itemsize for layer, owner in kv_producers(cfg).items() if layer == owner}
 
 
-def pool_pages(cfg, oc, kv_dtype, free_bytes: int | None) -> int:
+def pool_pages(cfg, oc, kv_dtype, free_bytes: int | None, shard=None) -> int:
     """Pages per attention kind: kv_pool_pages; else max_batch_size full-length sequences, capped at
     kv_pool_fraction of ``free_bytes`` (GPU) or at CPU_KV_POOL_BYTES (``free_bytes`` None: CPU);
     without a fraction, refused with the sizes when they cannot fit in 90 % of ``free_bytes``.
@@ -60,7 +62,7 @@ def pool_pages(cfg, oc, kv_dtype, free_bytes: int | None) -> int:
     if oc.kv_pool_pages:
         return oc.kv_pool_pages
     pages = oc.max_batch_size * (-(-oc.max_seq_len // oc.page_size) + 1)
-    page_bytes = oc.page_size * sum(token_bytes(cfg, kv_dtype).values())      # one page, every layer
+    page_bytes = oc.page_size * sum(token_bytes(cfg, kv_dtype, shard).values())      # one page, every layer
     if free_bytes is None:
         return max(2, min(pages, CPU_KV_POOL_BYTES // page_bytes))
     if oc.kv_pool_fraction is not None:
@@ -78,14 +80,14 @@ def pool_pages(cfg, oc, kv_dtype, free_bytes: int | None) -> int:
     return pages
 
 
-def allocate_kv(cfg, n_pages: int, page_size: int, device, dtype) -> dict[int, torch.Tensor]:
+def allocate_kv(cfg, n_pages: int, page_size: int, device, dtype, shard=None) -> dict[int, torch.Tensor]:
     """layer -> its pages ``[n_pages, 2, page_size, kv_heads, head_dim]`` (FlashInfer's NHD layout), for
     the layers that own KV."""
     kv = {}
     for layer, owner in kv_producers(cfg).items():
         if layer == owner:
             lc = cfg.per_layer_config[layer]
-            kv[layer] = torch.zeros(n_pages, 2, page_size, lc.num_key_value_heads, lc.head_dim, device=device,
+            kv[layer] = torch.zeros(n_pages, 2, page_size, local_kv_heads(cfg, layer, shard), lc.head_dim, device=device,
                                     dtype=dtype)
     return kv
 

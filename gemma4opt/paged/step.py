@@ -27,21 +27,22 @@ RECORD_MARGIN = 128
 
 
 class StepContext:
-    def __init__(self, text_config, opt_config, device, dtype, fixed: FixedTensors | None = None):
+    def __init__(self, text_config, opt_config, device, dtype, fixed: FixedTensors | None = None, shard=None):
         cfg, oc = text_config, opt_config
+        self.shard = shard             # tensor parallel: this rank's heads (tensor_parallel.py), else None
         self.fixed = fixed if fixed is not None else FixedTensors()
         self.page_size = oc.page_size
         self.max_batch = oc.max_batch_size
         self.max_seq_len = oc.max_seq_len
         self.kv_dtype = kv_pool_dtype(oc.kv_cache_dtype, dtype)
-        n_pages = pool_pages(cfg, oc, self.kv_dtype, free_device_memory(device))
+        n_pages = pool_pages(cfg, oc, self.kv_dtype, free_device_memory(device), shard)
         windows = {"sliding_attention": cfg.sliding_window, "full_attention": None}
         self.seqs = {k: PagedSequences(PagePool(n_pages, oc.page_size, f"{k} KV pool"), self.max_batch,
                                        oc.max_seq_len, windows[k]) for k in KINDS}
         self.producer = kv_producers(cfg)
         self._cfg = cfg
         self.layer_kind = list(cfg.layer_types)
-        self.kv = allocate_kv(cfg, n_pages, oc.page_size, device, self.kv_dtype)
+        self.kv = allocate_kv(cfg, n_pages, oc.page_size, device, self.kv_dtype, shard)
         # An fp8 pool's scales, per layer that owns KV: [k, v] fp32 on the device (what kv_append,
         # the reference and the Triton kernel read), and the same values on the host (FlashInfer
         # takes them as floats). set_kv_scales changes both. Empty for a pool in the model's dtype.
@@ -73,7 +74,7 @@ class StepContext:
         self._arange_dev: dict[int, torch.Tensor] = {}
         for b in self.buckets:
             self._arange(b)
-        self.use_backends(choose(geometries(cfg, oc.page_size, device, dtype, self.kv_dtype), self.device.type == "cuda",
+        self.use_backends(choose(geometries(cfg, oc.page_size, device, dtype, self.kv_dtype, shard), self.device.type == "cuda",
                                  oc.decode_kernel, max_pages=n_pages + self.max_batch, max_batch=self.max_batch,
                                  fast_replan=oc.fast_replan))
 
@@ -390,14 +391,14 @@ class StepContext:
 
     def kv_bytes_per_token(self) -> int:
         """Bytes one token's K and V take in the pool, over every layer that owns KV."""
-        return sum(token_bytes(self._cfg, self.kv_dtype).values())
+        return sum(token_bytes(self._cfg, self.kv_dtype, self.shard).values())
 
     def kv_bytes_per_sequence(self, tokens: int) -> int:
         """Pool bytes a sequence of ``tokens`` tokens holds at its end: full layers keep every
         page, sliding layers the pages their window spans (as the tables free them; a cache that
         records its past for HF's crops keeps a little more)."""
         ps, out = self.page_size, 0
-        for layer, b in token_bytes(self._cfg, self.kv_dtype).items():
+        for layer, b in token_bytes(self._cfg, self.kv_dtype, self.shard).items():
             window = self.seqs[self.layer_kind[layer]].window
             first = max(tokens - (window - 1), 0) // ps if window else 0    # the first page the window sees
             out += (-(-tokens // ps) - first) * ps * b

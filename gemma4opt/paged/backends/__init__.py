@@ -25,8 +25,11 @@ class KindBackends:
     refused: dict[str, str] = field(default_factory=dict)     # backend name -> why it does not run this kind
 
 
-def geometries(text_config, page_size: int, device, dtype, kv_dtype=None) -> dict[str, KindGeometry]:
-    """The geometry of each attention kind present in the model (from its first layer of that kind)."""
+def geometries(text_config, page_size: int, device, dtype, kv_dtype=None, shard=None) -> dict[str, KindGeometry]:
+    """The geometry of each attention kind present in the model (from its first layer of that kind;
+    this rank's heads with a tensor-parallel ``shard``)."""
+    from gemma4opt.tensor_parallel import local_heads, local_kv_heads
+
     first = {}
     for layer, kind in enumerate(text_config.layer_types):
         first.setdefault(kind, layer)
@@ -35,7 +38,7 @@ def geometries(text_config, page_size: int, device, dtype, kv_dtype=None) -> dic
     for kind, layer in first.items():
         lc = text_config.per_layer_config[layer]
         out[kind] = KindGeometry(
-            kind, text_config.num_attention_heads, lc.num_key_value_heads, lc.head_dim, page_size,
+            kind, local_heads(text_config, shard), local_kv_heads(text_config, layer, shard), lc.head_dim, page_size,
             text_config.sliding_window if kind == "sliding_attention" else None, dtype, kv_dtype or dtype,
             last_token_layers=shared, device=str(device))
     return out
