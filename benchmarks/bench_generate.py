@@ -161,14 +161,19 @@ def _compare_with_eager(rows, results) -> None:
                     row["tokens_equal_eager"] = same[row["system"]]
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    """The model and workload arguments the generate benchmarks share."""
     ap.add_argument("--preset", default="tiny", choices=sorted(ALL_PRESETS))
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(ap)
     ap.add_argument("--dtype", default=None, choices=sorted(DTYPES))
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--systems", nargs="+", default=["eager", "static_compile", "gemma4opt"],

@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gemma4opt  # noqa: E402
-from bench_generate import measure  # noqa: E402
-from gemma4opt.presets import ALL_PRESETS, build_model  # noqa: E402
+from bench_generate import add_run_args, measure  # noqa: E402
+from gemma4opt.presets import build_model  # noqa: E402
 from roofline import copy_bandwidth, kv_bytes_per_step, weight_bytes_per_step  # noqa: E402
 
 SYSTEMS = ("gemma4opt-tp", "hf-tp")
@@ -45,12 +45,7 @@ def _hf_tp_model(model, save_dir, device, dtype):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="tiny", choices=sorted(ALL_PRESETS))
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--batch", type=int, nargs="+", default=[1])
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_run_args(ap)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     ap.add_argument("--save-dir", default=None, help="where rank 0 saves the model for HF's tp_plan (default: a "
