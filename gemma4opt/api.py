@@ -99,6 +99,10 @@ def _check_model(model) -> torch.nn.Module:
     param = next(model.parameters(), None)
     if param is None:
         raise ValueError("gemma4opt.optimize: the model has no parameters")
+    if getattr(model, "_tp_size", None) not in (None, 1):
+        raise ValueError(f"gemma4opt.optimize: this model was split by transformers' tensor parallel (tp_plan, "
+                         f"tp_size={model._tp_size}); gemma4opt splits the model itself: load it without tp_plan "
+                         "and pass Gemma4OptConfig(tensor_parallel=True) under torchrun")
     if param.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"gemma4opt.optimize: model dtype {param.dtype} is not supported; supported: "
                         f"{[str(d) for d in SUPPORTED_DTYPES]}")

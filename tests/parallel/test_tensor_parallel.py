@@ -41,6 +41,14 @@ def test_refusals():
         gemma4opt.Gemma4OptConfig(tensor_parallel=2)
 
 
+def test_a_model_split_by_transformers_is_refused_with_what_to_do():
+    model = tiny()
+    model._tp_size = 2          # what from_pretrained(tp_plan="auto") leaves on a split model
+    with pytest.raises(ValueError, match="split by transformers' tensor parallel.*tensor_parallel=True"):
+        gemma4opt.optimize(model)
+    assert not hasattr(model, "_gemma4opt")
+
+
 def test_unsupported_splits_say_why():
     from gemma4opt.tensor_parallel import unsupported
 
