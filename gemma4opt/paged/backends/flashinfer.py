@@ -51,6 +51,8 @@ _handles = itertools.count()
 # so this only says when a first plan may take ~30 s (a progress note), never what runs.
 _FIRST_PLANS: set[tuple] = set()
 WORKSPACE_BYTES = 256 << 20     # FlashInfer's float scratch, at least (prefill's split-KV partials)
+
+
 def device_capability(device) -> tuple[int, int]:
     """The compute capability of ``device``'s GPU; off CUDA (the CPU tests, FlashInfer stood in) a
     Hopper's, the GPU the CUDA path is measured on."""
