@@ -19,25 +19,22 @@ import triton.language as tl
 
 from gemma4opt.kernels._util import pdl_flags, pdl_prologue
 from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_rounded
-from gemma4opt.kernels.skinny_linear import _COMPILED, row_dot_tile
+from gemma4opt.kernels.skinny_linear import _COMPILED
 
 MAX_PAIRS = 64          # (token, expert) pairs per call: decode (8 tokens of top-8); more -> HF's path
 
 
 @triton.jit
-def _rowsum(A, w_rows, K, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr):
-    """fp32 W[rows, :K] . a[:K] for BLOCK_N rows (a while loop in Triton's interpreter, which
-    takes no runtime loop bound)."""
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    if COMPILED:
-        for k0 in range(0, K, BLOCK_K):
-            acc = row_dot_tile(acc, A, w_rows, k0, K, nmask, BLOCK_K)
-    else:
-        k0 = 0
-        while k0 < K:
-            acc = row_dot_tile(acc, A, w_rows, k0, K, nmask, BLOCK_K)
-            k0 += BLOCK_K
-    return acc
+def _gate_up_tile(acc_g, acc_u, x, g_rows, u_rows, k0, K, nmask, BLOCK_K: tl.constexpr):
+    """acc_g[i] += G[row i, k-tile] . x[k-tile] and acc_u likewise, in fp32: both weight tiles are
+    loaded before either sum, so a program has two streams in flight, not one after the other."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    kmask = k < K
+    wmask = nmask[:, None] & kmask[None, :]
+    g = tl.load(g_rows + k[None, :], mask=wmask, other=0.0)
+    u = tl.load(u_rows + k[None, :], mask=wmask, other=0.0)
+    a = tl.load(x + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
+    return acc_g + tl.sum(g.to(tl.float32) * a, 1), acc_u + tl.sum(u.to(tl.float32) * a, 1)
 
 
 @triton.jit
@@ -52,32 +49,72 @@ def _gate_up_kernel(X, IDX, GU, ACT, H, I, sxt, sge, sgn,
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
     g_rows = GU + e * sge + n.to(tl.int64)[:, None] * sgn
+    u_rows = g_rows + I * sgn
     x = X + t.to(tl.int64) * sxt
     dt = ACT.dtype.element_ty
-    g = _rowsum(x, g_rows, H, nmask, BLOCK_N, BLOCK_K, COMPILED).to(dt).to(tl.float32)
-    u = _rowsum(x, g_rows + I * sgn, H, nmask, BLOCK_N, BLOCK_K, COMPILED).to(dt).to(tl.float32)
+    g = tl.zeros([BLOCK_N], tl.float32)
+    u = tl.zeros([BLOCK_N], tl.float32)
+    if COMPILED:
+        for k0 in range(0, H, BLOCK_K):
+            g, u = _gate_up_tile(g, u, x, g_rows, u_rows, k0, H, nmask, BLOCK_K)
+    else:           # the interpreter takes no runtime range() bound
+        k0 = 0
+        while k0 < H:
+            g, u = _gate_up_tile(g, u, x, g_rows, u_rows, k0, H, nmask, BLOCK_K)
+            k0 += BLOCK_K
+    g = g.to(dt).to(tl.float32)
+    u = u.to(dt).to(tl.float32)
     act = gelu_tanh_rounded(g, dt)
     tl.store(ACT + p.to(tl.int64) * I + n, (act * u).to(dt), mask=nmask)
 
 
 @triton.jit
+def _down_tile(acc, a_rows, w_rows, k0, K, jmask, wmask, BLOCK_K: tl.constexpr):
+    """acc[j, i] += D[e_j, row i, k-tile] . act[p_j, k-tile] for every pair j of the token at once."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    kmask = k < K
+    w = tl.load(w_rows + k[None, None, :], mask=wmask & kmask[None, None, :], other=0.0)
+    a = tl.load(a_rows + k[None, :], mask=jmask[:, None] & kmask[None, :], other=0.0)
+    return acc + tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], 2)
+
+
+@triton.jit
 def _down_kernel(ACT, IDX, WT, D, OUT, H, I, sde, sdn,
-                 TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr,
-                 PDL: tl.constexpr):
-    """OUT[t, n] = sum over j of round(ACT[p] . D[e_p, n]) * WT[p], p = t * TOPK + j, in j order."""
+                 TOPK: tl.constexpr, J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 COMPILED: tl.constexpr, PDL: tl.constexpr):
+    """OUT[t, n] = sum over j of round(ACT[p] . D[e_p, n]) * WT[p], p = t * TOPK + j, in j order.
+
+    The token's TOPK experts are one [J, BLOCK_N, BLOCK_K] tile (J: TOPK padded to a power of two),
+    so all their weight rows stream at once; looping over the experts one after the other left each
+    program with one load in flight (36.8 us for the 26b-a4b's 8 x 4 MB at one token on the H200,
+    5x its bytes' time). The rounded, weighted products are then added in j order, one masked
+    row at a time, which is exact: every other lane adds 0."""
     pdl_prologue(PDL)
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
+    j = tl.arange(0, J)
+    jmask = j < TOPK
+    p = t * TOPK + j
+    e = tl.load(IDX + p, mask=jmask, other=0).to(tl.int64)
+    wt = tl.load(WT + p, mask=jmask, other=0.0).to(tl.float32)
+    w_rows = D + e[:, None, None] * sde + n.to(tl.int64)[None, :, None] * sdn
+    a_rows = ACT + p.to(tl.int64)[:, None] * I
+    wmask = jmask[:, None, None] & nmask[None, :, None]
     dt = OUT.dtype.element_ty
+    acc = tl.zeros([J, BLOCK_N], tl.float32)
+    if COMPILED:
+        for k0 in range(0, I, BLOCK_K):
+            acc = _down_tile(acc, a_rows, w_rows, k0, I, jmask, wmask, BLOCK_K)
+    else:
+        k0 = 0
+        while k0 < I:
+            acc = _down_tile(acc, a_rows, w_rows, k0, I, jmask, wmask, BLOCK_K)
+            k0 += BLOCK_K
+    r = acc.to(dt).to(tl.float32) * wt[:, None]
     total = tl.zeros([BLOCK_N], tl.float32)
-    for j in tl.static_range(TOPK):
-        p = t * TOPK + j
-        e = tl.load(IDX + p).to(tl.int64)
-        wt = tl.load(WT + p).to(tl.float32)
-        rows = D + e * sde + n.to(tl.int64)[:, None] * sdn
-        acc = _rowsum(ACT + p.to(tl.int64) * I, rows, I, nmask, BLOCK_N, BLOCK_K, COMPILED)
-        total += acc.to(dt).to(tl.float32) * wt
+    for jj in tl.static_range(TOPK):
+        total += tl.sum(tl.where(j[:, None] == jj, r, 0.0), 0)
     tl.store(OUT + t.to(tl.int64) * H + n, total.to(dt), mask=nmask)
 
 
@@ -124,6 +161,7 @@ def moe_experts_triton(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     # Down: one program per H-block of a token (its k pairs summed in it), not per pair.
     _down_kernel[(T, triton.cdiv(H, t["dn_n"]))](
         act, idx, wt, down, out, H, I, down.stride(0), down.stride(1),
-        TOPK=k, BLOCK_N=t["dn_n"], BLOCK_K=_block_k(I, t["dn_k"]), COMPILED=_COMPILED, num_warps=t["dn_warps"],
+        TOPK=k, J=triton.next_power_of_2(k), BLOCK_N=t["dn_n"], BLOCK_K=_block_k(I, t["dn_k"]), COMPILED=_COMPILED,
+        num_warps=t["dn_warps"],
         **pdl_flags(x))
     return out

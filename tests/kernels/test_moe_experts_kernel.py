@@ -17,9 +17,11 @@ def _case(T, k, E, I, H, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,k,E,I,H", [(1, 2, 5, 24, 40), (3, 4, 6, 17, 33), (8, 8, 9, 12, 70)])
+@pytest.mark.parametrize("T,k,E,I,H", [(1, 2, 5, 24, 40), (3, 4, 6, 17, 33), (8, 8, 9, 12, 70), (2, 3, 7, 20, 36),
+                                       (5, 6, 8, 9, 19)])
 def test_matches_reference(dtype, T, k, E, I, H):
-    """Odd widths (not multiples of the tiles), several tokens sharing experts, fp32 routing weights."""
+    """Odd widths (not multiples of the tiles), several tokens sharing experts, fp32 routing weights,
+    top-k not a power of two (the down kernel pads the token's experts to one)."""
     launch = dict(gu_n=8, gu_k=16, dn_n=4, dn_k=16)
     x, idx, w, gate_up, down = _case(T, k, E, I, H, dtype, seed=T * 100 + k)
     close(moe_experts_triton(x, idx, w, gate_up, down, launch=launch),

@@ -13,6 +13,10 @@ def _in_block(node):
     return any(t in ("Gemma4TextAttention", "Gemma4TextMLP") for _, t in module_stack(node))
 
 
+def _ple(node):
+    return module_stack(node)[-1][0].rsplit(".", 1)[-1] in ("per_layer_input_gate", "per_layer_projection")
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_block_linear_replaced_after_merging(variant):
     model = tiny(variant)
@@ -22,12 +26,24 @@ def test_every_block_linear_replaced_after_merging(variant):
     c = Compiled(model, ["merged_projections", "decode_linear"], text_config=model.config)
     got = c(ids).logits
     cfg = model.config
-    assert c.matched("decode_linear") == 2 * cfg.num_hidden_layers, c.unfused("decode_linear")
+    ple = bool(cfg.hidden_size_per_layer_input)
+    assert c.matched("decode_linear") == (2 + ple) * cfg.num_hidden_layers, c.unfused("decode_linear")
     nodes = list(c.graphs[-1].graph.nodes)
-    assert not [n for n in nodes if op_name(n) == "linear" and _in_block(n)]
-    # merged q/k/v (or q alone on KV-shared layers) + o_proj + merged gate/up + down per layer
-    assert c.gemma4opt_ops()["linear"] == 4 * cfg.num_hidden_layers
+    assert not [n for n in nodes if op_name(n) == "linear" and (_in_block(n) or _ple(n))]
+    # merged q/k/v (or q alone on KV-shared layers) + o_proj + merged gate/up + down per layer,
+    # and the PLE gate and projection where the model has per-layer inputs
+    assert c.gemma4opt_ops()["linear"] == (4 + 2 * ple) * cfg.num_hidden_layers
     torch.testing.assert_close(got, want, rtol=0, atol=0)     # the CPU path is F.linear itself
+
+
+def test_ple_linear_with_a_bias_stays_unfused_and_is_listed():
+    model = tiny("tiny-ple-shared")
+    gate = model.model.layers[1].per_layer_input_gate
+    gate.bias = torch.nn.Parameter(torch.zeros(gate.out_features))
+    c = Compiled(model, ["decode_linear"], text_config=model.config)
+    c(prompt(1, 5))
+    assert c.matched("decode_linear") == 3 * model.config.num_hidden_layers - 1
+    assert any("layers.1" in u and "PLE" in u and "bias" in u for u in c.unfused("decode_linear"))
 
 
 def test_biased_projection_stays_unfused_and_is_listed():
