@@ -47,6 +47,9 @@
 #              torch.compile (limit 560 s); then e4b and 26b-a4b at batch 1 (quality, then speed, 560 s).
 #   speed-presets   e4b and 26b-a4b at batch 1, paged mode vs HF static + compile vs eager
 #              (limit 400 s each).
+#   presets-ab  26b-a4b (batch 1 and 8), e4b and e2b (batch 1): eager and the one-liner, then .baseline's
+#              one-liner in the same call (limits 250 / 100, 90 / 60, 80 / 60 s: ~590 s on a fresh machine,
+#              FlashInfer's JIT in the first).
 #   speed-31b-full  the 60-layer 31b at batch 1, same systems (limit 590 s; 62 GB, no model copies).
 #   tp         on nvidia-h200-x2 only: tests/gpu/test_gpu_tensor_parallel.py (two ranks over NCCL, every
 #              tiny variant, CUDA graphs capturing the all-reduces; limit 300 s), then bench_tp.py under
@@ -116,6 +119,17 @@ for s in "$@"; do
       stage speed-fp8-presets 560 bash -c "for p in e4b 26b-a4b; do python3 benchmarks/bench_fp8_quality.py \
             --preset \$p --json $OUT/fp8_quality.jsonl; $GEN \$p --batch 1 --systems gemma4opt-paged \
             gemma4opt-paged-fp8-kv8 --json $OUT/generate.jsonl; done" ;;
+    presets-ab)
+      # The small presets at their goal batches on this checkout (with eager: tokens compared) and on
+      # .baseline's older checkout, one after the other in the same call: a before/after on one machine.
+      for spec in "26b-a4b:1 8:250:100" "e4b:1:90:60" "e2b:1:80:60"; do
+        IFS=: read -r p b lim_new lim_old <<< "$spec"
+        stage presets-$p "$lim_new" $GEN $p --batch $b --systems eager gemma4opt --json "$OUT/generate.jsonl"
+        if [ -d .baseline/gemma4opt ]; then
+          (cd .baseline && ln -sfn ../patterns gemma4opt/patterns && export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} &&
+           stage presets-$p-before "$lim_old" $GEN $p --batch $b --systems gemma4opt --json "$OUT/generate_before.jsonl")
+        fi
+      done ;;
     speed-presets)
       stage speed-e4b 400 $GEN e4b --batch 1 --systems gemma4opt-paged static_compile eager --json "$OUT/generate.jsonl"
       stage speed-26b 400 $GEN 26b-a4b --batch 1 --systems eager static_compile gemma4opt-paged --json "$OUT/generate.jsonl" ;;
@@ -146,6 +160,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, speed-presets, speed-31b-full, tp, kernels, attention, profile)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab, speed-presets, speed-31b-full, tp, kernels, attention, profile)" ;;
   esac
 done

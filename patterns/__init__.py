@@ -4,14 +4,14 @@ Each pattern is one file here; ``build_patterns`` maps its name to an instance. 
 match on the ops earlier ones produced (norm_rope and residual_norm match gemma4opt.rms_norm
 calls; gelu_tanh_mul reads the merged gate/up halves; paged_qkv fuses norm_rope's output with the
 paged cache's KV append; fp8_quant moves each fp8 GEMM input's quantization into the rms_norm,
-residual tail or gelu kernel that produced it; decode_linear runs last, on the GEMMs
-merged_projections left), so order matters. ``paged_only`` patterns run only with
+residual tail or gelu kernel that produced it; norm_add takes the norm + add sums residual_norm
+leaves; decode_linear runs last, on the GEMMs merged_projections left), so order matters. ``paged_only`` patterns run only with
 attention="paged", ``quantized_only`` ones only with quantization="fp8".
 """
 from __future__ import annotations
 
 PATTERN_NAMES = ("rms_norm", "merged_projections", "norm_rope", "paged_qkv", "gelu_tanh_mul", "residual_norm",
-                 "fp8_quant", "moe_router", "moe_experts", "logit_softcap", "decode_linear")
+                 "norm_add", "fp8_quant", "moe_router", "moe_experts", "logit_softcap", "decode_linear")
 
 
 def build_patterns(quantization: str | None = None) -> dict:
@@ -23,13 +23,14 @@ def build_patterns(quantization: str | None = None) -> dict:
     from .merged_projections import MergedProjectionsPattern
     from .moe_experts import MoeExpertsPattern
     from .moe_router import MoeRouterPattern
+    from .norm_add import NormAddPattern
     from .norm_rope import NormRopePattern
     from .paged_qkv import PagedQKVPattern
     from .residual_norm import ResidualNormPattern
     from .rms_norm import RMSNormPattern
 
     classes = [RMSNormPattern, MergedProjectionsPattern, NormRopePattern, PagedQKVPattern, GeluTanhMulPattern,
-               ResidualNormPattern, Fp8QuantPattern, MoeRouterPattern, MoeExpertsPattern, LogitSoftcapPattern,
+               ResidualNormPattern, NormAddPattern, Fp8QuantPattern, MoeRouterPattern, MoeExpertsPattern, LogitSoftcapPattern,
                DecodeLinearPattern]
     patterns = [cls(quantization) for cls in classes]
     assert tuple(p.name for p in patterns) == PATTERN_NAMES

@@ -10,6 +10,7 @@ from gemma4opt.ops import (  # noqa: F401
     linear_softcap,
     moe_experts,
     moe_router,
+    norm_add,
     qkv_norm_rope_append,
     quantize_rows,
     rms_norm,

@@ -10,6 +10,7 @@ from tests.patterns.helpers import Compiled
 
 # Patterns that match on what an earlier one produced.
 NEEDS = {"norm_rope": ["rms_norm"], "residual_norm": ["rms_norm"], "moe_router": ["rms_norm"],
+         "norm_add": ["rms_norm", "residual_norm"],
          "gelu_tanh_mul": ["merged_projections"]}
 # Ops of the fused blocks that must not survive the pass.
 GONE = {"gelu_tanh_mul": ["gelu"], "norm_rope": ["neg"], "logit_softcap": ["tanh"],
@@ -97,6 +98,7 @@ def test_all_patterns_together_leave_no_norm_math():
     L, shared = cfg.num_hidden_layers, cfg.num_kv_shared_layers
     assert fused["rms_norm_rope"] == 2 * L - shared
     assert fused["add_rms_norm"] == 2 * L
+    assert fused["norm_add"] == L + 1       # each post-feedforward tail, and the PLE inputs' combine
     assert fused["linear_softcap"] == 1
 
 
