@@ -295,6 +295,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--linear", action="store_true",
                     help="the decode GEMMs instead (skinny Triton GEMM vs F.linear / cuBLAS; M <= 32)")
+    ap.add_argument("--only", default=None, help="only the cases whose name contains this (e.g. moe_experts)")
     ap.add_argument("--sweep", choices=["norm_rope", "gelu", "softcap", "moe"], default=None,
                     help="time the kernel's launch under every override of its sweep grid (gelu: block x warps)")
     ap.add_argument("--sweep-norm-rope", action="store_true",
@@ -320,6 +321,8 @@ def main(argv=None):
             if args.linear and M > 32:
                 continue
             for name, fn, ref, fargs, nbytes in (linear_cases if args.linear else cases)(cfg, M):
+                if args.only and args.only not in name:
+                    continue
                 compiled = torch.compile(ref, dynamic=False)
                 fn(*fargs), compiled(*fargs)           # compile / JIT outside the timed graphs
                 torch.cuda.synchronize()

@@ -50,6 +50,8 @@
 #   presets-ab  26b-a4b (batch 1 and 8), e4b and e2b (batch 1): eager and the one-liner, then .baseline's
 #              one-liner in the same call (limits 250 / 100, 90 / 60, 80 / 60 s: ~590 s on a fresh machine,
 #              FlashInfer's JIT in the first).
+#   moe-e2b-ab  no FlashInfer: MoE / norm_add kernel tests, the 26b-a4b MoE decode op and e2b "hf"-mode
+#              tokens, this checkout then .baseline's (limits 90, 70, 100, 70, 80 s).
 #   speed-31b-full  the 60-layer 31b at batch 1, same systems (limit 590 s; 62 GB, no model copies).
 #   tp         on nvidia-h200-x2 only: tests/gpu/test_gpu_tensor_parallel.py (two ranks over NCCL, every
 #              tiny variant, CUDA graphs capturing the all-reduces; limit 300 s), then bench_tp.py under
@@ -130,6 +132,22 @@ for s in "$@"; do
            stage presets-$p-before "$lim_old" $GEN $p --batch $b --systems gemma4opt --json "$OUT/generate_before.jsonl")
         fi
       done ;;
+    moe-e2b-ab)
+      # No FlashInfer JIT (a fresh machine's ~140 s): the MoE decode kernels and norm_add compiled against
+      # their references; the 26b-a4b's MoE decode op on this checkout and .baseline's (CUDA-graph
+      # replays); e2b tokens against eager in the "hf" mode, this checkout and .baseline's.
+      stage moe-kernel-tests 90 $PYTEST tests/kernels/test_moe_experts_kernel.py tests/kernels/test_norm_add_kernel.py
+      stage moe-kernel 70 python3 benchmarks/bench_kernels.py --presets 26b-a4b --m 1 8 --only moe_experts \
+            --json "$OUT/kernels_moe.json"
+      stage e2b-hf 100 $GEN e2b --batch 1 --systems eager gemma4opt-hf --json "$OUT/generate.jsonl"
+      if [ -d .baseline/gemma4opt ]; then
+        ln -sfn ../patterns .baseline/gemma4opt/patterns
+        (export PYTHONPATH=$PWD/.baseline${PYTHONPATH:+:$PYTHONPATH} &&
+         stage moe-kernel-before 70 python3 benchmarks/bench_kernels.py --presets 26b-a4b --m 1 8 --only moe_experts \
+               --json "$OUT/kernels_moe_before.json" &&
+         cd .baseline && stage e2b-hf-before 80 $GEN e2b --batch 1 --systems eager gemma4opt-hf \
+               --json "$OUT/generate_before.jsonl")
+      fi ;;
     speed-presets)
       stage speed-e4b 400 $GEN e4b --batch 1 --systems gemma4opt-paged static_compile eager --json "$OUT/generate.jsonl"
       stage speed-26b 400 $GEN 26b-a4b --batch 1 --systems eager static_compile gemma4opt-paged --json "$OUT/generate.jsonl" ;;
@@ -160,6 +178,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab, speed-presets, speed-31b-full, tp, kernels, attention, profile)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab, moe-e2b-ab, speed-presets, speed-31b-full, tp, kernels, attention, profile)" ;;
   esac
 done
