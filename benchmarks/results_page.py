@@ -23,7 +23,10 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 PAGE = os.path.join(ROOT, "docs", "results.md")
 SYSTEM_NAMES = {"eager": "HF eager", "static_compile": "HF static cache + torch.compile",
                 "gemma4opt": "gemma4opt one-liner", "gemma4opt-paged": "gemma4opt paged, sized for the run",
-                "gemma4opt-fp8": "gemma4opt one-liner, fp8 weights"}
+                "gemma4opt-fp8": "gemma4opt one-liner, fp8 weights",
+                "gemma4opt-before": "gemma4opt one-liner, the older checkout named in the command",
+                "gemma4opt-hf-before": "gemma4opt-hf, the older checkout named in the command",
+                "eager-before": "HF eager, beside the older checkout"}
 
 
 def _rows(pattern):
@@ -168,11 +171,14 @@ def sweeps_section(rows):
 def profile_section():
     out = ["## profile", ""]
     for path in sorted(glob.glob(os.path.join(RESULTS, "profile_*.txt"))):
-        out += [f"`benchmarks/results/{os.path.basename(path)}`: device time per decode step by kernel category "
-                "(`python3 benchmarks/profile_decode.py --preset 31b --layers 12 --batch 32 --new 32`, HF static "
-                "cache mode). Its first lines:", "", "```"]
         with open(path) as f:
-            out += [line.rstrip() for line in f][:9]
+            lines = [line.rstrip() for line in f]
+        # A profile's first line may say how it was made ("# command ..."); the oldest file does not.
+        what = lines.pop(0)[2:] if lines and lines[0].startswith("# ") else (
+            "`python3 benchmarks/profile_decode.py --preset 31b --layers 12 --batch 32 --new 32`, HF static cache mode")
+        out += [f"`benchmarks/results/{os.path.basename(path)}`: device time per decode step by kernel category "
+                f"({what}). Its first lines:", "", "```"]
+        out += lines[:9]
         out += ["```", ""]
     return out
 
