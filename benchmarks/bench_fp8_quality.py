@@ -2,15 +2,17 @@
 
     python3 benchmarks/bench_fp8_quality.py --preset 31b --layers 12 --json rows.jsonl
 
-Systems, each the same model's attention and dense-MLP projections in fp8 (lm_head, experts, PLE
-kept), over ``--batch x --seq`` random tokens (>= 512 positions):
+Systems, each the same model's attention and dense-MLP projections and MoE experts in fp8 (lm_head,
+router, PLE kept), over ``--batch x --seq`` random tokens (>= 512 positions):
 - ``gemma4opt-fp8``: ``optimize(model, Gemma4OptConfig(quantization="fp8"))`` (fused quantizing
   producers, the fp8 GEMMs);
 - ``fp8-reference``: the same weights swapped by ops/fp8_weights.py and run by HF's eager forward
-  (per-channel weight scales, per-token activation scales, fp32 GEMM: the semantics gemma4opt fuses);
+  (per-channel weight scales, per-token activation scales, fp32 GEMM: the semantics gemma4opt fuses;
+  experts weight-only, per (expert, row) scales);
 - ``hf-finegrained-fp8``: transformers' FineGrainedFP8Config semantics (128 x 128 weight blocks,
-  1 x 128 activation groups, dynamic) emulated in torch on the same projections, the anchor: its
-  own kernel comes from the `kernels` hub, which an offline machine cannot load.
+  1 x 128 activation groups, dynamic) emulated in torch on the same projections and, as its
+  FP8Experts does, on each expert's gate_up and down, the anchor: its own kernel comes from the
+  `kernels` hub, which an offline machine cannot load.
 Per system: the mean KL(p_ref || p_fp8) over positions and the top-1 agreement with the reference.
 """
 from __future__ import annotations
@@ -58,8 +60,35 @@ class BlockFp8Linear(torch.nn.Module):
         return torch.matmul(xd, self.w.t()).to(x.dtype)
 
 
+class BlockFp8Experts(torch.nn.Module):
+    """FineGrainedFP8's experts in torch: each expert's gate_up and down in (block x block) tiles,
+    each GEMM's input in 1 x block groups per token; HF's per-expert loop otherwise."""
+
+    def __init__(self, experts: torch.nn.Module, block: int):
+        super().__init__()
+        self.block = block
+        self.register_buffer("gu", torch.stack([_blocks_quant(w.detach(), block, block) for w in experts.gate_up_proj]))
+        self.register_buffer("dn", torch.stack([_blocks_quant(w.detach(), block, block) for w in experts.down_proj]))
+
+    def _linear(self, x, w):
+        return torch.matmul(_blocks_quant(x, 1, self.block), w.t())
+
+    def forward(self, x, top_k_index, top_k_weights):
+        I = self.gu.shape[1] // 2
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in torch.unique(top_k_index).tolist():
+            t, j = torch.nonzero(top_k_index == e, as_tuple=True)
+            gu = self._linear(x[t], self.gu[e]).to(x.dtype)
+            act = torch.nn.functional.gelu(gu[:, :I], approximate="tanh") * gu[:, I:]
+            y = self._linear(act, self.dn[e]).to(x.dtype).float() * top_k_weights[t, j].float()[:, None]
+            out.index_add_(0, t, y)
+        return out.to(x.dtype)
+
+
 def block_fp8(model: torch.nn.Module, block: int) -> None:
     for module in list(model.modules()):
+        if type(getattr(module, "experts", None)).__name__ == "Gemma4TextExperts":
+            module.experts = BlockFp8Experts(module.experts, block)
         for name in QUANTIZED_BLOCKS.get(type(module).__name__, ()):
             lin = getattr(module, name, None)
             if lin is not None:

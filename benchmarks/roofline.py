@@ -28,24 +28,24 @@ def weight_bytes_per_step(model, batch: int) -> int:
     whole table once), and an MoE layer reads only the experts its tokens picked (expected count)."""
     cfg = model.config.get_text_config()
     total = 0
-    # quantization="fp8": the projections are e4m3 buffers (and fp32 scales) of Fp8Linear modules.
-    fp8 = [(n, b) for n, b in model.named_buffers() if n.endswith(".weight") or n.endswith(".weight_scale")
-           if b.dtype in (torch.float8_e4m3fn, torch.float32) and _is_fp8_linear(model, n)]
+    # quantization="fp8": the projections and experts are e4m3 buffers (and fp32 scales) of
+    # Fp8Linear / Fp8Experts modules.
+    fp8 = [(n, b) for n, b in model.named_buffers() if _is_fp8_module(model, n)]
     for name, p in [*model.named_parameters(), *fp8]:
         nbytes = p.numel() * p.element_size()
         if "embed_tokens_per_layer" in name:
             nbytes = batch * p.shape[1] * p.element_size()
-        elif name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+        elif name.removesuffix("_scale").endswith(("experts.gate_up_proj", "experts.down_proj")):
             e, k = cfg.num_experts, cfg.top_k_experts
             nbytes = int(nbytes * (1 - (1 - k / e) ** batch))
         total += nbytes
     return total
 
 
-def _is_fp8_linear(model, buffer_name: str) -> bool:
-    from gemma4opt.ops.fp8_weights import Fp8Linear
+def _is_fp8_module(model, buffer_name: str) -> bool:
+    from gemma4opt.ops.fp8_weights import Fp8Experts, Fp8Linear
 
-    return isinstance(model.get_submodule(buffer_name.rsplit(".", 1)[0]), Fp8Linear)
+    return "." in buffer_name and isinstance(model.get_submodule(buffer_name.rsplit(".", 1)[0]), (Fp8Linear, Fp8Experts))
 
 
 def kv_bytes_per_step(model, batch: int, context: int, kv_elem: int | None = None) -> int:

@@ -24,7 +24,8 @@ module (HF's own path) everywhere but CUDA decode, where each shape runs whichev
 two decode kernels and HF's path timed faster (ops/moe_experts.py). One match per MoE layer. Left
 unfused, with the reason, when the experts are not the concatenated [gate; up], untransposed,
 bias-free, gelu-tanh layout the kernels read, or the region is neither of HF's paths above (e.g.
-the eager per-expert loop).
+the eager per-expert loop). With quantization="fp8" the experts are ops/fp8_weights.py's
+Fp8Experts, which call gemma4opt.moe_experts_fp8 themselves: nothing to match (0 expected).
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ class MoeExpertsPattern(Pattern):
     summary = "MoE experts (HF grouped / batched_mm path) -> gemma4opt.moe_experts (decode kernels or HF's per shape)"
 
     def expected(self, cfg, scope):
-        return cfg.num_hidden_layers if cfg.enable_moe_block else 0
+        # quantization="fp8": the experts are Fp8Experts, whose forward is gemma4opt.moe_experts_fp8 already.
+        return cfg.num_hidden_layers if cfg.enable_moe_block and self.quantization != "fp8" else 0
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         from gemma4opt.ops.moe_experts import register_experts

@@ -22,3 +22,19 @@ def test_rows_and_gemma4opt_equal_to_the_reference_path(tmp_path):
     assert by["gemma4opt-fp8"]["kl"] == by["fp8-reference"]["kl"] and by["gemma4opt-fp8"]["top1"] == by["fp8-reference"]["top1"]
     assert all(0 < r["kl"] < 0.1 and r["positions"] == 64 for r in rows)
     assert [json.loads(line)["system"] for line in out.read_text().splitlines()] == [r["system"] for r in rows]
+
+
+def test_moe_experts_are_fp8_in_every_system():
+    """tiny-moe: the anchor's emulation swaps each experts block too (FineGrainedFP8 quantizes
+    experts), and gemma4opt's fp8 experts equal the reference path's."""
+    spec = importlib.util.spec_from_file_location("bench_fp8_quality", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from tests.models import tiny
+
+    model = tiny("tiny-moe")
+    mod.block_fp8(model, 16)
+    assert all(type(layer.experts).__name__ == "BlockFp8Experts" for layer in model.model.layers)
+    rows = mod.main(["--preset", "tiny-moe", "--seq", "32", "--block", "16", "--device", "cpu"])
+    by = {r["system"]: r for r in rows}
+    assert by["gemma4opt-fp8"]["kl"] == by["fp8-reference"]["kl"] and all(r["kl"] > 0 for r in rows)

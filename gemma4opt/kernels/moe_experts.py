@@ -38,10 +38,11 @@ def _gate_up_tile(acc_g, acc_u, x, g_rows, u_rows, k0, K, nmask, BLOCK_K: tl.con
 
 
 @triton.jit
-def _gate_up_kernel(X, IDX, GU, ACT, H, I, sxt, sge, sgn,
+def _gate_up_kernel(X, IDX, GU, GS, ACT, H, I, sxt, sge, sgn,
                     TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr,
-                    PDL: tl.constexpr):
-    """ACT[p, n] = gelu_tanh(x[t] . GU[e, n]) * (x[t] . GU[e, I + n]) for pair p = t * TOPK + j."""
+                    FP8: tl.constexpr, PDL: tl.constexpr):
+    """ACT[p, n] = gelu_tanh(x[t] . GU[e, n]) * (x[t] . GU[e, I + n]) for pair p = t * TOPK + j.
+    FP8: GU is e4m3 with one fp32 scale per (expert, row), GS [E, 2I], applied to each row's sum."""
     pdl_prologue(PDL)
     p = tl.program_id(0)
     t = p // TOPK
@@ -62,6 +63,9 @@ def _gate_up_kernel(X, IDX, GU, ACT, H, I, sxt, sge, sgn,
         while k0 < H:
             g, u = _gate_up_tile(g, u, x, g_rows, u_rows, k0, H, nmask, BLOCK_K)
             k0 += BLOCK_K
+    if FP8:
+        g = g * tl.load(GS + e * 2 * I + n, mask=nmask, other=0.0)
+        u = u * tl.load(GS + e * 2 * I + I + n, mask=nmask, other=0.0)
     g = g.to(dt).to(tl.float32)
     u = u.to(dt).to(tl.float32)
     act = gelu_tanh_rounded(g, dt)
@@ -79,16 +83,17 @@ def _down_tile(acc, a_rows, w_rows, k0, K, jmask, wmask, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _down_kernel(ACT, IDX, WT, D, OUT, H, I, sde, sdn,
+def _down_kernel(ACT, IDX, WT, D, DS, OUT, H, I, sde, sdn,
                  TOPK: tl.constexpr, J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 COMPILED: tl.constexpr, PDL: tl.constexpr):
+                 COMPILED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     """OUT[t, n] = sum over j of round(ACT[p] . D[e_p, n]) * WT[p], p = t * TOPK + j, in j order.
 
     The token's TOPK experts are one [J, BLOCK_N, BLOCK_K] tile (J: TOPK padded to a power of two),
     so all their weight rows stream at once; looping over the experts one after the other left each
     program with one load in flight (36.8 us for the 26b-a4b's 8 x 4 MB at one token on the H200,
     5x its bytes' time). The rounded, weighted products are then added in j order, one masked
-    row at a time, which is exact: every other lane adds 0."""
+    row at a time, which is exact: every other lane adds 0. FP8: D is e4m3 with one fp32 scale per
+    (expert, row), DS [E, H], applied to each row's sum."""
     pdl_prologue(PDL)
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -111,6 +116,8 @@ def _down_kernel(ACT, IDX, WT, D, OUT, H, I, sde, sdn,
         while k0 < I:
             acc = _down_tile(acc, a_rows, w_rows, k0, I, jmask, wmask, BLOCK_K)
             k0 += BLOCK_K
+    if FP8:
+        acc = acc * tl.load(DS + e[:, None] * H + n[None, :], mask=jmask[:, None] & nmask[None, :], other=0.0)
     r = acc.to(dt).to(tl.float32) * wt[:, None]
     total = tl.zeros([BLOCK_N], tl.float32)
     for jj in tl.static_range(TOPK):
@@ -133,9 +140,12 @@ TILES = dict(gu_n=8, gu_k=512, gu_warps=4, dn_n=4, dn_k=512, dn_warps=4)
 
 
 def moe_experts_triton(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                       gate_up: torch.Tensor, down: torch.Tensor, launch: dict | None = None) -> torch.Tensor:
+                       gate_up: torch.Tensor, down: torch.Tensor, launch: dict | None = None,
+                       gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], top_k_index / top_k_weights [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H].
-    ``launch``: entries of TILES to use instead of TILES' own (the others stay)."""
+    ``launch``: entries of TILES to use instead of TILES' own (the others stay). fp8 experts
+    (quantization="fp8"): gate_up and down in e4m3 with fp32 scales [E, 2I] and [E, H], one per
+    (expert, output row); x stays in its dtype (the GEMVs are bound by the weights' bytes)."""
     T, H = x.shape
     k = top_k_index.shape[-1]
     E, two_i, _ = gate_up.shape
@@ -146,6 +156,14 @@ def moe_experts_triton(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     if gate_up.shape[2] != H or tuple(down.shape) != (E, H, I) or gate_up.stride(2) != 1 or down.stride(2) != 1:
         raise ValueError(f"gemma4opt moe_experts: gate_up {tuple(gate_up.shape)} / down {tuple(down.shape)} do not "
                          f"match x [T, {H}] as [E, 2I, H] / [E, H, I] with unit stride on the last dim")
+    fp8 = gate_up_scale is not None
+    if fp8 != (down_scale is not None) or (fp8 and (tuple(gate_up_scale.shape) != (E, two_i)
+                                                    or tuple(down_scale.shape) != (E, H))):
+        raise ValueError(f"gemma4opt moe_experts: fp8 experts need both scales, [E, 2I] = {[E, two_i]} and "
+                         f"[E, H] = {[E, H]}")
+    if fp8:
+        gate_up_scale = gate_up_scale.float().contiguous()
+        down_scale = down_scale.float().contiguous()
     x = x if x.stride(-1) == 1 else x.contiguous()
     idx = top_k_index.reshape(-1).contiguous()
     wt = top_k_weights.reshape(-1).contiguous()
@@ -155,13 +173,12 @@ def moe_experts_triton(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     t = {**TILES, **(launch or {})}
     _gate_up_kernel[(T * k, triton.cdiv(I, t["gu_n"]))](
-        x, idx, gate_up, act, H, I, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        TOPK=k, BLOCK_N=t["gu_n"], BLOCK_K=_block_k(H, t["gu_k"]), COMPILED=_COMPILED, num_warps=t["gu_warps"],
-        **pdl_flags(x))
+        x, idx, gate_up, gate_up_scale if fp8 else wt, act, H, I, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        TOPK=k, BLOCK_N=t["gu_n"], BLOCK_K=_block_k(H, t["gu_k"]), COMPILED=_COMPILED, FP8=fp8,
+        num_warps=t["gu_warps"], **pdl_flags(x))
     # Down: one program per H-block of a token (its k pairs summed in it), not per pair.
     _down_kernel[(T, triton.cdiv(H, t["dn_n"]))](
-        act, idx, wt, down, out, H, I, down.stride(0), down.stride(1),
+        act, idx, wt, down, down_scale if fp8 else wt, out, H, I, down.stride(0), down.stride(1),
         TOPK=k, J=triton.next_power_of_2(k), BLOCK_N=t["dn_n"], BLOCK_K=_block_k(I, t["dn_k"]), COMPILED=_COMPILED,
-        num_warps=t["dn_warps"],
-        **pdl_flags(x))
+        FP8=fp8, num_warps=t["dn_warps"], **pdl_flags(x))
     return out

@@ -9,6 +9,7 @@ from gemma4opt.ops import (  # noqa: F401
     linear,
     linear_softcap,
     moe_experts,
+    moe_experts_fp8,
     moe_router,
     norm_add,
     qkv_norm_rope_append,

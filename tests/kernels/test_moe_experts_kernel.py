@@ -58,3 +58,44 @@ def test_k_tiles_pad_little():
     from gemma4opt.kernels.moe_experts import _block_k
 
     assert _block_k(2816, 512) == 512 and _block_k(704, 512) == 256 and _block_k(40, 16) == 16
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,k,E,I,H", [(1, 2, 5, 24, 40), (3, 3, 6, 17, 33), (8, 8, 9, 12, 70)])
+def test_fp8_experts_match_reference(dtype, T, k, E, I, H):
+    """e4m3 experts with per-(expert, row) scales (quantization="fp8"): the scales in both kernels'
+    epilogues, odd widths, top-k not a power of two."""
+    from gemma4opt.ops.fp8 import quantize_rows_reference
+    from gemma4opt.ops.moe_experts_fp8 import moe_experts_fp8_reference
+
+    x, idx, w, gate_up, down = _case(T, k, E, I, H, dtype, seed=T * 10 + k)
+    gu_q, gu_s = quantize_rows_reference(gate_up)
+    d_q, d_s = quantize_rows_reference(down)
+    launch = dict(gu_n=8, gu_k=16, dn_n=4, dn_k=16)
+    got = moe_experts_triton(x, idx, w, gu_q, d_q, launch=launch, gate_up_scale=gu_s, down_scale=d_s)
+    close(got, moe_experts_fp8_reference(x, idx, w, gu_q, gu_s, d_q, d_s), dtype)
+
+
+def test_fp8_reference_is_hfs_math_on_the_dequantized_weights():
+    """The op's reference against the pair-by-pair bf16 oracle run on the dequantized weights."""
+    from gemma4opt.ops.fp8 import quantize_rows_reference
+    from gemma4opt.ops.moe_experts_fp8 import moe_experts_fp8_reference
+
+    x, idx, w, gate_up, down = _case(5, 3, 6, 20, 36, torch.float32, seed=11)
+    gu_q, gu_s = quantize_rows_reference(gate_up)
+    d_q, d_s = quantize_rows_reference(down)
+    deq_gu, deq_d = gu_q.float() * gu_s[..., None], d_q.float() * d_s[..., None]
+    close(moe_experts_fp8_reference(x, idx, w, gu_q, gu_s, d_q, d_s),
+          moe_experts_reference(x, idx, w, deq_gu, deq_d), torch.float32)
+
+
+def test_fp8_experts_need_both_scales_of_the_right_shape():
+    from gemma4opt.ops.fp8 import quantize_rows_reference
+
+    x, idx, w, gate_up, down = _case(1, 2, 4, 8, 16, torch.float32, seed=3)
+    gu_q, gu_s = quantize_rows_reference(gate_up)
+    d_q, d_s = quantize_rows_reference(down)
+    with pytest.raises(ValueError, match="both scales"):
+        moe_experts_triton(x, idx, w, gu_q, d_q, gate_up_scale=gu_s)
+    with pytest.raises(ValueError, match="both scales"):
+        moe_experts_triton(x, idx, w, gu_q, d_q, gate_up_scale=gu_s, down_scale=d_s.t())

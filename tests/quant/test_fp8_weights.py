@@ -8,7 +8,7 @@ import torch
 
 import gemma4opt
 from gemma4opt.ops.fp8 import FP8_DTYPE, quantize_weight_reference
-from gemma4opt.ops.fp8_weights import QUANTIZED_BLOCKS, Fp8Linear, fp8_linears, quantize_linears
+from gemma4opt.ops.fp8_weights import QUANTIZED_BLOCKS, Fp8Experts, Fp8Linear, fp8_experts, fp8_linears, quantize_linears
 from tests.models import VARIANTS, prompt, tiny
 
 FP8 = gemma4opt.Gemma4OptConfig(quantization="fp8")
@@ -42,7 +42,7 @@ def test_tokens_equal_the_fp8_reference_path(variant, attention):
     assert rep.row("fp8_quant").matched == 3 * model.config.num_hidden_layers
 
 
-def test_every_attention_and_mlp_projection_is_fp8_and_no_bf16_copy_is_kept():
+def test_every_attention_mlp_and_experts_weight_is_fp8_and_no_bf16_copy_is_kept():
     model = tiny("tiny-moe", dtype=torch.bfloat16)
     before = {n: p.shape for n, p in model.named_parameters()}
     gemma4opt.optimize(model, FP8)
@@ -53,9 +53,15 @@ def test_every_attention_and_mlp_projection_is_fp8_and_no_bf16_copy_is_kept():
                    for n, m in model.named_modules())
     params = dict(model.named_parameters())
     assert not any(n.rsplit(".", 2)[-2] in names for n in params), "a bf16 projection weight is still held"
-    assert set(params) == {n for n in before if n.rsplit(".", 2)[-2] not in names}
+    assert not any(".experts." in n for n in params), "a bf16 experts weight is still held"
+    assert set(params) == {n for n in before if n.rsplit(".", 2)[-2] not in names and ".experts." not in n}
     for m in fp8_linears(model):
         assert m.weight.dtype == FP8_DTYPE and m.weight_scale.dtype == torch.float32
+    experts = fp8_experts(model)
+    assert len(experts) == model.config.num_hidden_layers
+    for m in experts:
+        assert m.gate_up_proj.dtype == m.down_proj.dtype == FP8_DTYPE
+        assert m.gate_up_proj_scale.shape == m.gate_up_proj.shape[:2] and m.down_proj_scale.shape == m.down_proj.shape[:2]
     # merged q/k/v and gate/up: every projection's fp8 weight and scales are views of one tensor each
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.k_proj.weight.untyped_storage().data_ptr()
@@ -68,6 +74,28 @@ def test_weights_match_quantizing_the_bf16_weights():
     got = model.model.layers[1].mlp.down_proj
     q, s = quantize_weight_reference(want)
     assert torch.equal(got.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(got.weight_scale, s)
+
+
+def test_experts_weights_match_quantizing_each_experts_rows():
+    model = tiny("tiny-moe", dtype=torch.bfloat16)
+    want = model.model.layers[1].experts.down_proj.detach().clone()
+    gemma4opt.optimize(model, FP8)
+    got = model.model.layers[1].experts
+    assert isinstance(got, Fp8Experts)
+    for e in range(want.shape[0]):
+        q, s = quantize_weight_reference(want[e])
+        assert torch.equal(got.down_proj[e].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(got.down_proj_scale[e], s)
+
+
+def test_experts_load_state_dict_of_the_unquantized_model_quantizes_it():
+    src = tiny("tiny-moe", seed=3)
+    model = tiny("tiny-moe")
+    gemma4opt.optimize(model, FP8)
+    model.load_state_dict(src.state_dict(), strict=False)
+    ref = _reference(tiny("tiny-moe", seed=3))
+    ids = prompt(2, 9)
+    assert torch.equal(_generate(model, ids, 4), _generate(ref, ids, 4))
 
 
 def test_to_dtype_keeps_fp8_bytes_and_fp32_scales():
@@ -121,6 +149,11 @@ def test_report_names_what_is_fp8_and_what_is_not():
     _generate(model, ids, 2)
     _generate(plain, ids, 2)
     text = str(gemma4opt.report(model, print_table=False))
-    assert "weights: fp8 e4m3" in text and "lm_head" in text and "MoE experts" in text
+    assert "weights: fp8 e4m3" in text and "lm_head" in text and "MoE router" in text
+    assert "MoE experts" not in text        # tiny has none
     assert "fp8_quant" in text and "weights:" not in str(gemma4opt.report(plain, print_table=False))
     assert "fp8_quant" not in str(gemma4opt.report(plain, print_table=False))
+    moe = tiny("tiny-moe")
+    gemma4opt.optimize(moe, FP8)
+    _generate(moe, ids, 2)
+    assert f"{moe.config.num_hidden_layers} MoE experts blocks (weight-only" in str(gemma4opt.report(moe, print_table=False))

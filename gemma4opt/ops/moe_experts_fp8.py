@@ -1,0 +1,62 @@
+"""gemma4opt::moe_experts_fp8 — a Gemma-4 MoE experts block with e4m3 expert weights.
+
+    gate_up [E, 2I, H], down [E, H, I]: float8_e4m3fn, one fp32 scale per (expert, output row)
+    (ops/fp8.py's per-channel weight scales; gate_up_scale [E, 2I], down_scale [E, H]).
+    Per (token t, chosen expert e, routing weight w), HF's experts math on the dequantized rows:
+        g, u = round(x_t . (gate_up[e] * s)) split in halves      # fp32 sums, rounded to x's dtype
+        a    = round(gelu_tanh(g)) * u, rounded
+        y_t += round(a . (down[e] * s)) * w                       # fp32, over the k experts in order
+    out = round(y)
+
+Activations stay in the model dtype (weight-only fp8): at decode the experts' GEMVs are bound by
+the weight bytes, which fp8 halves; quantizing the activations too would add error and save no time.
+On CUDA up to kernels/moe_experts.py's MAX_PAIRS (token, expert) pairs (decode) run its two
+kernels with the scales in their epilogues; more (prefill) and CPU run the reference, one expert
+at a time on the tokens routed to it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.library.custom_op("gemma4opt::moe_experts_fp8", mutates_args=())
+def moe_experts_fp8(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
+                    gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor) -> torch.Tensor:
+    return moe_experts_fp8_reference(x, top_k_index, top_k_weights, gate_up, gate_up_scale, down, down_scale)
+
+
+@moe_experts_fp8.register_fake
+def _(x, top_k_index, top_k_weights, gate_up, gate_up_scale, down, down_scale):
+    return torch.empty_like(x)
+
+
+def moe_experts_fp8_reference(x, top_k_index, top_k_weights, gate_up, gate_up_scale, down, down_scale):
+    """The semantics above in plain torch: each expert that has tokens dequantized once and run on
+    all of them; the weighted outputs summed over each token's k experts in fp32, in order."""
+    T, k = top_k_index.shape
+    I = gate_up.shape[1] // 2
+    dt = x.dtype
+    parts = torch.zeros(T, k, x.shape[-1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(top_k_index).tolist():
+        t, j = torch.nonzero(top_k_index == e, as_tuple=True)
+        w_gu = gate_up[e].float() * gate_up_scale[e].float()[:, None]
+        gu = F.linear(x[t].float(), w_gu).to(dt)
+        act = F.gelu(gu[:, :I], approximate="tanh") * gu[:, I:]
+        w_d = down[e].float() * down_scale[e].float()[:, None]
+        y = F.linear(act.float(), w_d).to(dt).float() * top_k_weights[t, j].float()[:, None]
+        parts[t, j] = y
+    out = parts[:, 0]
+    for j in range(1, k):       # in order, as the kernel adds them
+        out = out + parts[:, j]
+    return out.to(dt)
+
+
+@moe_experts_fp8.register_kernel("cuda")
+def _(x, top_k_index, top_k_weights, gate_up, gate_up_scale, down, down_scale):
+    from gemma4opt.kernels.moe_experts import MAX_PAIRS, moe_experts_triton
+
+    if x.dim() == 2 and 0 < top_k_index.numel() <= MAX_PAIRS and gate_up.stride(-1) == 1 and down.stride(-1) == 1:
+        return moe_experts_triton(x, top_k_index, top_k_weights, gate_up, down,
+                                  gate_up_scale=gate_up_scale, down_scale=down_scale)
+    return moe_experts_fp8_reference(x, top_k_index, top_k_weights, gate_up, gate_up_scale, down, down_scale)
