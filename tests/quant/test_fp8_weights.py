@@ -157,3 +157,14 @@ def test_report_names_what_is_fp8_and_what_is_not():
     gemma4opt.optimize(moe, FP8)
     _generate(moe, ids, 2)
     assert f"{moe.config.num_hidden_layers} MoE experts blocks (weight-only" in str(gemma4opt.report(moe, print_table=False))
+
+
+def test_experts_forward_hooks_move_to_the_fp8_module():
+    """tensor_parallel's all-reduce is a forward hook on each experts module: the swap keeps it."""
+    model = tiny("tiny-moe")
+    seen = []
+    model.model.layers[0].experts.register_forward_hook(lambda mod, args, out: seen.append(type(mod).__name__))
+    quantize_linears(model)
+    with torch.no_grad():
+        model(prompt(1, 4))
+    assert seen == ["Fp8Experts"]
