@@ -1,6 +1,7 @@
-"""Triton MoE router tail: softmax over experts (fp32) -> top-k -> renormalize -> per-expert scale.
+"""Triton MoE router: its input (rms_norm without weight, times scale, times hidden_size ** -0.5)
+in one kernel, and its tail: softmax over experts (fp32) -> top-k -> renormalize -> per-expert scale.
 
-One program per token; top-k by k rounds of argmax over the E probabilities (E <= 1024).
+One program per token each; top-k by k rounds of argmax over the E probabilities (E <= 1024).
 Ties pick the lowest expert index, as torch.topk does on CPU and CUDA for distinct values.
 """
 from __future__ import annotations
@@ -9,7 +10,35 @@ import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels._util import pdl_flags, pdl_prologue
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue, row_launch, rows_view
+
+
+@triton.jit
+def _router_input_kernel(X, SC, H, sx, sh, D, eps, root, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """h = round(round(round(x * rsqrt(mean(x^2) + eps)) * scale) * root): the three eager ops'
+    roundings (ops/moe_router.py's _router_input) in one pass over the row."""
+    pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    dt = H.dtype.element_ty
+    x = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
+    sc = tl.load(SC + cols, mask=mask, other=0.0).to(tl.float32)
+    n = (x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps))).to(dt).to(tl.float32)
+    h = (n * sc).to(dt).to(tl.float32)
+    tl.store(H + row * sh + cols, (h * root).to(dt), mask=mask)
+
+
+def router_input_triton(x: torch.Tensor, scale: torch.Tensor, eps: float, root: float) -> torch.Tensor:
+    """x [T, D] and scale [D] of one dtype -> the router's GEMM input [T, D] in that dtype."""
+    D = x.shape[-1]
+    x2 = rows_view(x)
+    h = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if h.shape[0]:
+        block, warps = row_launch(D, h.shape[0])
+        _router_input_kernel[(h.shape[0],)](x2, scale, h, x2.stride(0), h.stride(0), D, eps, root, BLOCK=block,
+                                            num_warps=warps, **pdl_flags(h))
+    return h.view(x.shape)
 
 
 @triton.jit

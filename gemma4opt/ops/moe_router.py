@@ -40,8 +40,10 @@ def _(x, scale, proj_weight, per_expert_scale, eps, root, top_k):
 
 @moe_router.register_kernel("cuda")
 def _(x, scale, proj_weight, per_expert_scale, eps, root, top_k):
-    from gemma4opt.kernels.moe_router import router_topk_triton
-    from gemma4opt.kernels.rms_norm import rms_norm_triton
+    from gemma4opt.kernels.moe_router import router_input_triton, router_topk_triton
 
-    h = rms_norm_triton(x, None, eps) * scale * root
+    if scale.dtype == x.dtype and scale.dim() == 1:     # one kernel for the norm and both multiplies
+        h = router_input_triton(x, scale, eps, root)
+    else:                                               # mixed dtypes promote: torch's own ops
+        h = _router_input(x, scale, eps, root)
     return router_topk_triton(F.linear(h, proj_weight), per_expert_scale, top_k)
