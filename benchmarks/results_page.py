@@ -146,7 +146,9 @@ def attention_section(rows):
 def fp8_quality_section(rows):
     return _table_section(
         "fp8 quality", "Teacher-forced logits of the same random-weight model with its attention and dense-MLP "
-        "projections in fp8, against the model in its own dtype (bench_fp8_quality.py): mean KL(reference ‖ fp8) "
+        "projections in fp8 (and, in the runs named `..._fp8_experts`, its MoE experts: gemma4opt's weight-only "
+        "with per-(expert, row) scales, the anchor's in 128 × 128 blocks with 1 × 128 activation groups), against "
+        "the model in its own dtype (bench_fp8_quality.py): mean KL(reference ‖ fp8) "
         "per position and top-1 agreement. Systems: gemma4opt's optimized fp8 model; the fp8 reference path "
         "(its semantics in plain torch: per-channel weight scales, per-token activation scales); transformers' "
         "FineGrainedFP8 scheme (128 × 128 weight blocks, 1 × 128 activation groups) emulated in torch, the anchor. "
