@@ -88,16 +88,6 @@ def test_experts_weights_match_quantizing_each_experts_rows():
         assert torch.equal(got.down_proj_scale[e], s)
 
 
-def test_experts_load_state_dict_of_the_unquantized_model_quantizes_it():
-    src = tiny("tiny-moe", seed=3)
-    model = tiny("tiny-moe")
-    gemma4opt.optimize(model, FP8)
-    model.load_state_dict(src.state_dict(), strict=False)
-    ref = _reference(tiny("tiny-moe", seed=3))
-    ids = prompt(2, 9)
-    assert torch.equal(_generate(model, ids, 4), _generate(ref, ids, 4))
-
-
 def test_to_dtype_keeps_fp8_bytes_and_fp32_scales():
     model = tiny("tiny", dtype=torch.bfloat16)
     gemma4opt.optimize(model, FP8)
@@ -110,12 +100,13 @@ def test_to_dtype_keeps_fp8_bytes_and_fp32_scales():
     assert torch.equal(_generate(model, ids, 4), _generate(ref, ids, 4))
 
 
-def test_load_state_dict_of_the_unquantized_model_quantizes_it():
-    src = tiny("tiny", seed=3)
-    model = tiny("tiny")
+@pytest.mark.parametrize("variant", ["tiny", "tiny-moe"])      # tiny-moe: the Fp8Experts too
+def test_load_state_dict_of_the_unquantized_model_quantizes_it(variant):
+    src = tiny(variant, seed=3)
+    model = tiny(variant)
     gemma4opt.optimize(model, FP8)
     model.load_state_dict(src.state_dict(), strict=False)
-    ref = _reference(tiny("tiny", seed=3))
+    ref = _reference(tiny(variant, seed=3))
     ids = prompt(2, 9)
     assert torch.equal(_generate(model, ids, 4), _generate(ref, ids, 4))
 
