@@ -42,6 +42,30 @@ def _gen(model, ids, new, **kw):
                               do_sample=False, **kw)
 
 
+def eager_margins(model, out, new, rows_per_pass=4) -> torch.Tensor:
+    """[B, new] fp32: at each generated step, eager's top-1 logit minus its second, teacher-forced on
+    eager's own tokens (a few rows per forward: the logits of a 262k vocabulary are large). Where
+    another system's tokens first differ, a margin of a bf16 rounding or two says a near-tie flipped."""
+    margins = []
+    with torch.no_grad():
+        for rows in out.split(rows_per_pass):
+            logits = model(rows[:, :-1], logits_to_keep=new).logits.float()
+            top2 = logits.topk(2, dim=-1).values
+            margins.append((top2[..., 0] - top2[..., 1]).cpu())
+    return torch.cat(margins)
+
+
+def first_divergence(out, eager_out, margins, new) -> tuple[int, float] | None:
+    """(first generated step where ``out`` differs from eager's in any row, eager's top-2 margin there)."""
+    gen, ref = out[:, -new:].cpu(), eager_out[:, -new:].cpu()
+    diff = gen != ref
+    if not diff.any():
+        return None
+    steps = torch.where(diff.any(1), diff.float().argmax(1), torch.full((diff.shape[0],), new))
+    row = int(steps.argmin())
+    return int(steps[row]), float(margins[row, steps[row]])
+
+
 def measure(model, ids, new, device, repeats, **kw):
     """(ttft_ms, ms per decode step, output ids, warm-up s); best of ``repeats`` after a warm-up."""
     _sync(device)
@@ -127,6 +151,8 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         ttft, ms, out, warm = measure(sys_model, prompts[b], args.new, args.device, args.repeats, **kw)
         res = results[b]
         res[system] = dict(ms_per_step=ms, out=out)
+        if system == "eager":
+            res[system]["margins"] = eager_margins(sys_model, out, args.new)
         same = torch.equal(out, res["eager"]["out"]) if "eager" in res else None
         row = dict(run=args.run, machine=args.machine, command=args.command,
                    preset=args.preset, layers=cfg.num_hidden_layers, batch=b, prompt=args.prompt, new=args.new,
@@ -151,7 +177,8 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
 
 
 def _compare_with_eager(rows, results) -> None:
-    """Systems measured before eager were not compared when they ran: compare them now."""
+    """Systems measured before eager were not compared when they ran: compare them now. Where the
+    tokens differ: the first step that differs and eager's top-2 logit margin there."""
     for b, res in results.items():
         if "eager" in res:
             same = {s: torch.equal(r["out"], res["eager"]["out"]) for s, r in res.items() if s != "eager"}
@@ -159,6 +186,12 @@ def _compare_with_eager(rows, results) -> None:
             for row in rows:
                 if row["batch"] == b and row["system"] in same:
                     row["tokens_equal_eager"] = same[row["system"]]
+                    where = first_divergence(res[row["system"]]["out"], res["eager"]["out"], res["eager"]["margins"],
+                                             row["new"])
+                    if where is not None:
+                        row["first_diff_step"], row["eager_margin_at_diff"] = where
+                        print(f"#   {row['system']}: first differs at generated step {where[0]}, where eager's "
+                              f"top-2 logit margin was {where[1]:.4g}")
 
 
 def add_run_args(ap: argparse.ArgumentParser) -> None:

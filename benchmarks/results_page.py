@@ -78,6 +78,8 @@ def generate_section(rows):
             eager = by.get((r["batch"], r["prompt"], "eager"))
             vs = lambda base: None if base is None else base["ms_per_step"] / r["ms_per_step"]   # noqa: E731
             same = {True: "yes", False: "no", None: "—"}[r["tokens_equal_eager"]] if r["system"] != "eager" else "—"
+            if "first_diff_step" in r:      # where they first differ, and how close eager's own choice was
+                same += f" (from step {r['first_diff_step']}; eager's top-2 margin there {r['eager_margin_at_diff']:.3g})"
             out.append(f"| {r['batch']} | {SYSTEM_NAMES.get(r['system'], r['system'])} | {_f(r.get('warmup_s'), '{:.1f}')} "
                        f"| {_f(r['ttft_ms'], '{:.1f}')} | {r['ms_per_step']:.2f} | {r['tok_s']:.0f} | "
                        f"{_pct(r['roofline_frac'])} | {_f(vs(static), '{:.2f}×')} | {_f(vs(eager), '{:.2f}×')} | {same} |")
