@@ -10,6 +10,11 @@ Fused::
 
     probs, w, idx = gemma4opt.moe_router(x, scale, Wproj, per_expert_scale, eps, root, k)
 
+and where the experts' input norm reads the same x (``pre_feedforward_layernorm_2(x)``, a weighted
+gemma4opt.rms_norm in the decoder layer), it comes out of the same op and kernel::
+
+    probs, w, idx, n = gemma4opt.moe_router_norm(x, ..., k, w_pre2, eps2)
+
 The experts stay HF's (exact); the dense MLP and the MoE branch keep their own fusions.
 """
 from __future__ import annotations
@@ -27,6 +32,15 @@ _OPS = collections.Counter({"rms_norm.default": 1, "mul": 3, "linear": 1, "softm
                             "getitem": 3, "sum": 1, "itruediv": 1})
 
 
+def _experts_norm(x: fx.Node, region) -> fx.Node | None:
+    """A weighted gemma4opt.rms_norm of x outside the router (the experts' input norm), if one."""
+    inside = region.node_set
+    for u in x.users:
+        if u not in inside and op_name(u) == "rms_norm.default" and u.args[0] is x and u.args[1] is not None:
+            return u
+    return None
+
+
 class MoeRouterPattern(Pattern):
     name = "moe_router"
     summary = "MoE router (norm, scale, proj, softmax, top-k, renorm, per-expert scale) -> gemma4opt.moe_router"
@@ -42,12 +56,19 @@ class MoeRouterPattern(Pattern):
                 res.unfused.append(f"{region.path}: {why}")
                 continue
             graph = gm.graph
+            sibling = _experts_norm(m["args"][0], region)
+            op, n_out, args = torch.ops.gemma4opt.moe_router.default, 3, m["args"]
+            if sibling is not None:
+                op, n_out, args = torch.ops.gemma4opt.moe_router_norm.default, 4, (*args, *sibling.args[1:3])
             with graph.inserting_before(m["weights"]):   # the index may be read before: place() moves it
-                fused = graph.call_function(torch.ops.gemma4opt.moe_router.default, m["args"])
-                outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(3)]
-            for node, new in ((m["weights"], outs[1]), (m["index"], outs[2])):
+                fused = graph.call_function(op, args)
+                outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(n_out)]
+            pairs = [(m["weights"], outs[1]), (m["index"], outs[2])] + ([(sibling, outs[3])] if sibling else [])
+            for node, new in pairs:
                 new.meta = dict(node.meta)
                 node.replace_all_uses_with(new)
+            if sibling is not None:
+                graph.erase_node(sibling)
             place([fused, *outs])
             erase_region(graph, region.nodes, keep_used=True)
             res.matched += 1

@@ -14,9 +14,11 @@ from gemma4opt.kernels._util import pdl_flags, pdl_prologue, row_launch, rows_vi
 
 
 @triton.jit
-def _router_input_kernel(X, SC, H, sx, sh, D, eps, root, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _router_input_kernel(X, SC, H, W2, N2, sx, sh, sn, D, eps, root, eps2, HAS_NORM: tl.constexpr,
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
     """h = round(round(round(x * rsqrt(mean(x^2) + eps)) * scale) * root): the three eager ops'
-    roundings (ops/moe_router.py's _router_input) in one pass over the row."""
+    roundings (ops/moe_router.py's _router_input) in one pass over the row. HAS_NORM: also the
+    experts' input norm of the same row, n2 = round(x * rsqrt(mean(x^2) + eps2) * w2)."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -24,21 +26,31 @@ def _router_input_kernel(X, SC, H, sx, sh, D, eps, root, BLOCK: tl.constexpr, PD
     dt = H.dtype.element_ty
     x = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
     sc = tl.load(SC + cols, mask=mask, other=0.0).to(tl.float32)
-    n = (x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps))).to(dt).to(tl.float32)
+    if HAS_NORM:
+        w2 = tl.load(W2 + cols, mask=mask, other=0.0).to(tl.float32)
+    ms = tl.sum(x * x, axis=0) / D
+    n = (x * (1.0 / tl.sqrt(ms + eps))).to(dt).to(tl.float32)
     h = (n * sc).to(dt).to(tl.float32)
     tl.store(H + row * sh + cols, (h * root).to(dt), mask=mask)
+    if HAS_NORM:
+        tl.store(N2 + row * sn + cols, (x * (1.0 / tl.sqrt(ms + eps2)) * w2).to(dt), mask=mask)
 
 
-def router_input_triton(x: torch.Tensor, scale: torch.Tensor, eps: float, root: float) -> torch.Tensor:
-    """x [T, D] and scale [D] of one dtype -> the router's GEMM input [T, D] in that dtype."""
+def router_input_triton(x: torch.Tensor, scale: torch.Tensor, eps: float, root: float,
+                        norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0):
+    """x [T, D] and scale [D] of one dtype -> the router's GEMM input [T, D] in that dtype; with
+    ``norm_weight``, (that input, rms_norm(x, norm_weight, norm_eps)) from the same pass."""
     D = x.shape[-1]
     x2 = rows_view(x)
     h = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    n2 = torch.empty_like(h) if norm_weight is not None else h
     if h.shape[0]:
         block, warps = row_launch(D, h.shape[0])
-        _router_input_kernel[(h.shape[0],)](x2, scale, h, x2.stride(0), h.stride(0), D, eps, root, BLOCK=block,
-                                            num_warps=warps, **pdl_flags(h))
-    return h.view(x.shape)
+        _router_input_kernel[(h.shape[0],)](
+            x2, scale, h, norm_weight if norm_weight is not None else scale, n2, x2.stride(0), h.stride(0),
+            n2.stride(0), D, eps, root, norm_eps, HAS_NORM=norm_weight is not None, BLOCK=block, num_warps=warps,
+            **pdl_flags(h))
+    return h.view(x.shape) if norm_weight is None else (h.view(x.shape), n2.view(x.shape))
 
 
 @triton.jit

@@ -4,6 +4,10 @@
     probs = softmax(linear(h, proj_weight), fp32)
     w, idx = topk(probs, k); w = w / w.sum(-1) * per_expert_scale[idx]
     return probs, w, idx
+
+gemma4opt::moe_router_norm also returns the experts' input norm of the same x,
+``rms_norm(x, norm_weight, norm_eps)`` (pre_feedforward_layernorm_2): on CUDA one kernel reads the
+row once for both norms, where they were two launches.
 """
 from __future__ import annotations
 
@@ -38,12 +42,42 @@ def _(x, scale, proj_weight, per_expert_scale, eps, root, top_k):
             x.new_empty((T, top_k), dtype=torch.int64))
 
 
+def _one_kernel(x, scale, norm_weight=None) -> bool:
+    """Whether the router's input (and the experts' norm) can come from one kernel: one dtype (mixed
+    dtypes promote in torch's ops) and 1-d weights."""
+    weights = [scale] + ([norm_weight] if norm_weight is not None else [])
+    return all(w.dtype == x.dtype and w.dim() == 1 for w in weights)
+
+
 @moe_router.register_kernel("cuda")
 def _(x, scale, proj_weight, per_expert_scale, eps, root, top_k):
     from gemma4opt.kernels.moe_router import router_input_triton, router_topk_triton
 
-    if scale.dtype == x.dtype and scale.dim() == 1:     # one kernel for the norm and both multiplies
-        h = router_input_triton(x, scale, eps, root)
-    else:                                               # mixed dtypes promote: torch's own ops
-        h = _router_input(x, scale, eps, root)
+    h = router_input_triton(x, scale, eps, root) if _one_kernel(x, scale) else _router_input(x, scale, eps, root)
     return router_topk_triton(F.linear(h, proj_weight), per_expert_scale, top_k)
+
+
+@torch.library.custom_op("gemma4opt::moe_router_norm", mutates_args=())
+def moe_router_norm(x: torch.Tensor, scale: torch.Tensor, proj_weight: torch.Tensor, per_expert_scale: torch.Tensor,
+                    eps: float, root: float, top_k: int, norm_weight: torch.Tensor, norm_eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    probs, w, idx = moe_router_reference(x, scale, proj_weight, per_expert_scale, eps, root, top_k)
+    return probs, w, idx, rms_norm_reference(x, norm_weight, norm_eps)
+
+
+@moe_router_norm.register_fake
+def _(x, scale, proj_weight, per_expert_scale, eps, root, top_k, norm_weight, norm_eps):
+    T, E = x.shape[0], proj_weight.shape[0]
+    return (x.new_empty((T, E), dtype=torch.float32), x.new_empty((T, top_k), dtype=torch.float32),
+            x.new_empty((T, top_k), dtype=torch.int64), torch.empty_like(x))
+
+
+@moe_router_norm.register_kernel("cuda")
+def _(x, scale, proj_weight, per_expert_scale, eps, root, top_k, norm_weight, norm_eps):
+    from gemma4opt.kernels.moe_router import router_input_triton, router_topk_triton
+
+    if _one_kernel(x, scale, norm_weight):
+        h, n = router_input_triton(x, scale, eps, root, norm_weight, norm_eps)
+    else:
+        h, n = _router_input(x, scale, eps, root), rms_norm_reference(x, norm_weight, norm_eps)
+    return (*router_topk_triton(F.linear(h, proj_weight), per_expert_scale, top_k), n)

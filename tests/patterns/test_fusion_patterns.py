@@ -135,3 +135,18 @@ def test_norm_rope_refuses_non_rope_consumer():
     assert c.matched("norm_rope") == 0
     assert "not consumed by a rotate_half RoPE" in c.unfused("norm_rope")[0]
     torch.testing.assert_close(out[0], m(x, cos, sin)[0])
+
+
+def test_moe_router_takes_the_experts_input_norm():
+    """The experts' input norm (pre_feedforward_layernorm_2) reads the router's x: it comes out of
+    gemma4opt.moe_router_norm, and no gemma4opt.rms_norm of that x is left."""
+    c, got, want, cfg = _run("tiny-moe", ["rms_norm", "moe_router", "moe_experts"])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    fused = c.gemma4opt_ops()
+    assert fused["moe_router_norm"] == cfg.num_hidden_layers and fused["moe_router"] == 0
+    assert c.matched("moe_experts") == cfg.num_hidden_layers
+    from gemma4opt.compiler.regions import op_name
+
+    for n in c.graphs[-1].graph.nodes:
+        if op_name(n) == "moe_router_norm.default":
+            assert not [u for u in n.args[0].users if op_name(u) == "rms_norm.default"]
