@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from gemma4opt.kernels._util import pdl_flags, pdl_prologue, row_launch, rows_view
+from gemma4opt.kernels.rms_norm import inv_rms
 
 
 @triton.jit
@@ -28,12 +29,11 @@ def _router_input_kernel(X, SC, H, W2, N2, sx, sh, sn, D, eps, root, eps2, HAS_N
     sc = tl.load(SC + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
         w2 = tl.load(W2 + cols, mask=mask, other=0.0).to(tl.float32)
-    ms = tl.sum(x * x, axis=0) / D
-    n = (x * (1.0 / tl.sqrt(ms + eps))).to(dt).to(tl.float32)
+    n = (x * inv_rms(x, D, eps)).to(dt).to(tl.float32)
     h = (n * sc).to(dt).to(tl.float32)
     tl.store(H + row * sh + cols, (h * root).to(dt), mask=mask)
     if HAS_NORM:
-        tl.store(N2 + row * sn + cols, (x * (1.0 / tl.sqrt(ms + eps2)) * w2).to(dt), mask=mask)
+        tl.store(N2 + row * sn + cols, (x * inv_rms(x, D, eps2) * w2).to(dt), mask=mask)
 
 
 def router_input_triton(x: torch.Tensor, scale: torch.Tensor, eps: float, root: float,

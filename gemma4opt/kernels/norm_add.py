@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from gemma4opt.kernels._util import pdl_flags, pdl_prologue, row_launch, rows_view
+from gemma4opt.kernels.rms_norm import inv_rms
 
 
 @triton.jit
@@ -24,9 +25,9 @@ def _norm_add_kernel(X, W, Y, WY, S, sx, sy, ss, D, eps, eps_y, NORM_Y: tl.const
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if Y_WEIGHT:
         wy = tl.load(WY + cols, mask=mask, other=0.0).to(tl.float32)
-    nx = (x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)) * w).to(dt).to(tl.float32)
+    nx = (x * inv_rms(x, D, eps) * w).to(dt).to(tl.float32)
     if NORM_Y:
-        y = y * (1.0 / tl.sqrt(tl.sum(y * y, axis=0) / D + eps_y))
+        y = y * inv_rms(y, D, eps_y)
         if Y_WEIGHT:
             y = y * wy
         y = y.to(dt).to(tl.float32)

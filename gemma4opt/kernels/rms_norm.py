@@ -9,6 +9,13 @@ from gemma4opt.kernels._util import pdl_flags, pdl_prologue, row_launch, rows_vi
 
 
 @triton.jit
+def inv_rms(x, D, eps):
+    """1 / sqrt(mean(x^2) + eps) of an fp32 row whose masked lanes are 0: every gemma4opt norm's
+    scale, computed the same way in each kernel that normalizes a row."""
+    return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+
+
+@triton.jit
 def _rms_norm_kernel(X, W, Y, stride_x, stride_y, D, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
                     PDL: tl.constexpr):
     pdl_prologue(PDL)
@@ -18,8 +25,7 @@ def _rms_norm_kernel(X, W, Y, stride_x, stride_y, D, eps, HAS_WEIGHT: tl.constex
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_WEIGHT:      # loaded before the reduction, so both loads are in flight at once
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-    y = x * inv
+    y = x * inv_rms(x, D, eps)
     if HAS_WEIGHT:
         y = y * w
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)

@@ -42,19 +42,25 @@ def _(x, scale, proj_weight, per_expert_scale, eps, root, top_k):
             x.new_empty((T, top_k), dtype=torch.int64))
 
 
-def _one_kernel(x, scale, norm_weight=None) -> bool:
-    """Whether the router's input (and the experts' norm) can come from one kernel: one dtype (mixed
-    dtypes promote in torch's ops) and 1-d weights."""
+def _route_cuda(x, scale, proj_weight, per_expert_scale, eps, root, top_k, norm_weight=None, norm_eps=0.0):
+    """Both ops on CUDA: the router's input (and, with ``norm_weight``, the experts' norm) from one
+    kernel where the dtypes agree (mixed dtypes promote in torch's ops: those run instead), the
+    GEMM, then the softmax / top-k kernel. Returns (probs, w, idx[, n])."""
+    from gemma4opt.kernels.moe_router import router_input_triton, router_topk_triton
+
     weights = [scale] + ([norm_weight] if norm_weight is not None else [])
-    return all(w.dtype == x.dtype and w.dim() == 1 for w in weights)
+    if all(w.dtype == x.dtype and w.dim() == 1 for w in weights):
+        out = router_input_triton(x, scale, eps, root, norm_weight, norm_eps)
+        h, extra = (out, ()) if norm_weight is None else (out[0], (out[1],))
+    else:
+        h = _router_input(x, scale, eps, root)
+        extra = () if norm_weight is None else (rms_norm_reference(x, norm_weight, norm_eps),)
+    return (*router_topk_triton(F.linear(h, proj_weight), per_expert_scale, top_k), *extra)
 
 
 @moe_router.register_kernel("cuda")
 def _(x, scale, proj_weight, per_expert_scale, eps, root, top_k):
-    from gemma4opt.kernels.moe_router import router_input_triton, router_topk_triton
-
-    h = router_input_triton(x, scale, eps, root) if _one_kernel(x, scale) else _router_input(x, scale, eps, root)
-    return router_topk_triton(F.linear(h, proj_weight), per_expert_scale, top_k)
+    return _route_cuda(x, scale, proj_weight, per_expert_scale, eps, root, top_k)
 
 
 @torch.library.custom_op("gemma4opt::moe_router_norm", mutates_args=())
@@ -67,17 +73,11 @@ def moe_router_norm(x: torch.Tensor, scale: torch.Tensor, proj_weight: torch.Ten
 
 @moe_router_norm.register_fake
 def _(x, scale, proj_weight, per_expert_scale, eps, root, top_k, norm_weight, norm_eps):
-    T, E = x.shape[0], proj_weight.shape[0]
-    return (x.new_empty((T, E), dtype=torch.float32), x.new_empty((T, top_k), dtype=torch.float32),
-            x.new_empty((T, top_k), dtype=torch.int64), torch.empty_like(x))
+    probs = x.new_empty((x.shape[0], proj_weight.shape[0]), dtype=torch.float32)
+    return (probs, x.new_empty((x.shape[0], top_k), dtype=torch.float32),
+            x.new_empty((x.shape[0], top_k), dtype=torch.int64), torch.empty_like(x))
 
 
 @moe_router_norm.register_kernel("cuda")
 def _(x, scale, proj_weight, per_expert_scale, eps, root, top_k, norm_weight, norm_eps):
-    from gemma4opt.kernels.moe_router import router_input_triton, router_topk_triton
-
-    if _one_kernel(x, scale, norm_weight):
-        h, n = router_input_triton(x, scale, eps, root, norm_weight, norm_eps)
-    else:
-        h, n = _router_input(x, scale, eps, root), rms_norm_reference(x, norm_weight, norm_eps)
-    return (*router_topk_triton(F.linear(h, proj_weight), per_expert_scale, top_k), n)
+    return _route_cuda(x, scale, proj_weight, per_expert_scale, eps, root, top_k, norm_weight, norm_eps)
