@@ -52,6 +52,8 @@
 #              (limits 330 / 150, 300 / 150, 280 / 110 s, FlashInfer's JIT included in the first).
 #   moe-e2b-ab  no FlashInfer: MoE / norm_add kernel tests, the 26b-a4b MoE decode op and e2b "hf"-mode
 #              tokens, this checkout then .baseline's (limits 90, 70, 100, 70, 80 s).
+#   verify-moe  the MoE layer's decode kernels against their references (limit 150 s), the 26b-a4b's
+#              one-liner at batch 1 and 8 against eager (330 s), its fp8 experts test (110 s).
 #   speed-31b-full  the 60-layer 31b at batch 1, same systems (limit 590 s; 62 GB, no model copies).
 #   tp         on nvidia-h200-x2 only: tests/gpu/test_gpu_tensor_parallel.py (two ranks over NCCL, every
 #              tiny variant, CUDA graphs capturing the all-reduces; limit 300 s), then bench_tp.py under
@@ -157,6 +159,14 @@ for s in "$@"; do
         (cd .baseline && ln -sfn ../patterns gemma4opt/patterns && export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} &&
          stage presets-$p-before "$lim_old" $GEN $p --batch $b --systems gemma4opt --json "$OUT/generate_before.jsonl")
       fi ;;
+    verify-moe)
+      # The MoE layer's decode kernels compiled against their references (router input, router + experts'
+      # norm, experts, norm_add, the norm kernels' shared inv_rms), then the 26b-a4b's one-liner at batch 1
+      # and 8 against eager (tokens compared), then the fp8 experts at 26b-a4b dimensions.
+      stage moe-kernel-tests 150 $PYTEST tests/kernels/test_moe_router_kernel.py tests/kernels/test_norm_add_kernel.py \
+            tests/kernels/test_rms_norm_kernel.py tests/kernels/test_moe_experts_kernel.py tests/gpu/test_gpu_moe_experts.py
+      stage presets-26b-a4b 330 $GEN 26b-a4b --batch 1 8 --systems eager gemma4opt --json "$OUT/generate.jsonl"
+      stage fp8-moe 110 $PYTEST -s tests/gpu/test_gpu_fp8.py -k "26b" ;;
     moe-e2b-ab)
       # No FlashInfer JIT (a fresh machine's ~140 s): the MoE decode kernels and norm_add compiled against
       # their references; the 26b-a4b's MoE decode op on this checkout and .baseline's (CUDA-graph
@@ -203,6 +213,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, speed-presets, speed-31b-full, tp, kernels, attention, profile)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, speed-presets, speed-31b-full, tp, kernels, attention, profile)" ;;
   esac
 done
