@@ -54,6 +54,8 @@
 #              tokens, this checkout then .baseline's (limits 90, 70, 100, 70, 80 s).
 #   verify-moe  the MoE layer's decode kernels against their references (limit 150 s), the 26b-a4b's
 #              one-liner at batch 1 and 8 against eager (330 s), its fp8 experts test (110 s).
+#   probe      the MoE decode tiles swept at the 26b-a4b's shapes (150 s), the 26b-a4b at batch 1 with
+#              every decode GEMM on Triton against the timed picks (200 s), e4b at 1 and 32 (230 s).
 #   speed-31b-full  the 60-layer 31b at batch 1, same systems (limit 590 s; 62 GB, no model copies).
 #   tp         on nvidia-h200-x2 only: tests/gpu/test_gpu_tensor_parallel.py (two ranks over NCCL, every
 #              tiny variant, CUDA graphs capturing the all-reduces; limit 300 s), then bench_tp.py under
@@ -167,6 +169,14 @@ for s in "$@"; do
             tests/kernels/test_rms_norm_kernel.py tests/kernels/test_moe_experts_kernel.py tests/gpu/test_gpu_moe_experts.py
       stage presets-26b-a4b 330 $GEN 26b-a4b --batch 1 8 --systems eager gemma4opt --json "$OUT/generate.jsonl"
       stage fp8-moe 110 $PYTEST -s tests/gpu/test_gpu_fp8.py -k "26b" ;;
+    probe)
+      # Where the next launches and bytes are: the MoE decode kernels' tiles at the 26b-a4b's shapes; the
+      # 26b-a4b at batch 1 with every decode GEMM on the Triton GEMM against the timed picks; the e4b's
+      # one-liner at batch 1 and 32 against eager.
+      stage moe-sweep 150 python3 benchmarks/bench_kernels.py --sweep moe --presets 26b-a4b --m 1 8 \
+            --json "$OUT/sweep_moe.jsonl"
+      stage picks-26b 200 $GEN 26b-a4b --batch 1 --systems gemma4opt-triton-gemms gemma4opt --json "$OUT/generate.jsonl"
+      stage presets-e4b 230 $GEN e4b --batch 1 32 --systems eager gemma4opt --json "$OUT/generate.jsonl" ;;
     moe-e2b-ab)
       # No FlashInfer JIT (a fresh machine's ~140 s): the MoE decode kernels and norm_add compiled against
       # their references; the 26b-a4b's MoE decode op on this checkout and .baseline's (CUDA-graph
@@ -213,6 +223,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, speed-presets, speed-31b-full, tp, kernels, attention, profile)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, speed-presets, speed-31b-full, tp, kernels, attention, profile)" ;;
   esac
 done
