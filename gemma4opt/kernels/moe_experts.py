@@ -135,8 +135,11 @@ def _block_k(K: int, most: int) -> int:
 
 
 # Tiles of the two kernels: rows of W per program, the longest K tile (cut to pad K by <= ~10 %),
-# warps. ``benchmarks/bench_kernels.py --sweep moe`` times the alternatives (moe_experts_triton's launch).
-TILES = dict(gu_n=8, gu_k=512, gu_warps=4, dn_n=4, dn_k=512, dn_warps=4)
+# warps. ``benchmarks/bench_kernels.py --sweep moe`` times the alternatives (moe_experts_triton's launch):
+# at the 26b-a4b's shapes on an H200 (benchmarks/results/sweeps_h200.jsonl) gate/up's best at one token
+# was 256-wide K tiles on 8 warps (31.2 us for the op against 35.0 with 512 on 4; 175.8 against 177.0
+# at 8 tokens), down's best at 8 tokens 2 rows per program (160.8 against 177.0; 33.6 against 35.0 at one).
+TILES = dict(gu_n=8, gu_k=256, gu_warps=8, dn_n=2, dn_k=256, dn_warps=4)
 
 
 def moe_experts_triton(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

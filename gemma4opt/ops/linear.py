@@ -2,7 +2,8 @@
 
 On CUDA with at most ``MAX_ROWS`` rows (decode steps), each shape (rows, N, K, dtype) runs
 whichever of gemma4opt's skinny Triton GEMM (kernels/skinny_linear.py) and cuBLAS (F.linear) was
-faster when both were timed, cold in L2 as in a decode step, on that shape's first call (and only
+faster when both were timed as a decode step runs them (back to back in a CUDA graph, weights
+streamed from HBM: ops/pick.py's time_in_graph), on that shape's first call (and only
 if its result matched cuBLAS's to 16-bit rounding on the model's own weights there). Decode
 graphs make that call eagerly before they capture, so a replay never times anything; a shape first
 seen inside a capture takes cuBLAS. Why a pick per shape and not a rule: on an H200
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gemma4opt.ops.pick import bench_cold, check_close
+from gemma4opt.ops.pick import check_close, time_in_graph
 from gemma4opt.ops.state import OpState, picks_for
 
 MAX_ROWS = 32
@@ -49,7 +50,7 @@ def _time_both(x, weight) -> tuple[float, float]:
     from gemma4opt.kernels.skinny_linear import skinny_linear_triton
 
     check_close(skinny_linear_triton(x, weight), F.linear(x, weight), what="skinny Triton GEMM", other="cuBLAS")
-    return bench_cold(lambda: skinny_linear_triton(x, weight)), bench_cold(lambda: F.linear(x, weight))
+    return time_in_graph(lambda w: skinny_linear_triton(x, w), lambda w: F.linear(x, w), weight)
 
 
 def runs_triton(x, weight) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gemma4opt.ops.pick import bench_cold, check_close
+from gemma4opt.ops.pick import check_close, time_in_graph
 from gemma4opt.ops.state import OpState, picks_for
 
 MAX_ROWS = 32
@@ -54,8 +54,7 @@ def _time_both(x, weight, cap) -> tuple[float, float]:
 
     check_close(skinny_linear_triton(x, weight, cap=cap), _cublas_softcap(x, weight, cap),
                 what="skinny Triton GEMM + softcap", other="cuBLAS + softcap")
-    return (bench_cold(lambda: skinny_linear_triton(x, weight, cap=cap)),
-            bench_cold(lambda: _cublas_softcap(x, weight, cap)))
+    return time_in_graph(lambda w: skinny_linear_triton(x, w, cap=cap), lambda w: _cublas_softcap(x, w, cap), weight)
 
 
 def runs_triton(x, weight, cap) -> bool:

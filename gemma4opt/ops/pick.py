@@ -63,3 +63,55 @@ def bench_cold(fn) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+
+
+def _graph_ms(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor], calls: int, reps: int) -> float:
+    """Median ms per call of ``fn(w)``, ``calls`` calls back to back in one CUDA graph, cycling
+    through ``weights``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):           # first calls outside the capture (allocator, cuBLAS handles)
+        for w in weights:
+            fn(w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(weights[i % len(weights)])
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def weight_copies(nbytes: int, l2_bytes: int, most: int = 64) -> int:
+    """How many copies of a weight of ``nbytes`` together hold twice the L2 (at least 1, at most ``most``)."""
+    return max(1, min(most, -(-2 * l2_bytes // max(nbytes, 1))))
+
+
+def time_in_graph(triton_fn: Callable[[torch.Tensor], object], other_fn: Callable[[torch.Tensor], object],
+                  weight: torch.Tensor) -> tuple[float, float]:
+    """(Triton ms, other ms) per call of ``fn(weight)``, each timed as a decode step runs it: calls
+    back to back in a CUDA graph, so that launch gaps, a split-K GEMM's second kernel and
+    programmatic dependent launch count as they do there, and each call on its own copy of the
+    weight, the copies together twice the L2, so that every call streams its weight from HBM.
+    Why not ``bench_cold``: one call at a time between L2 flushes, it measured the lone kernel, and
+    its picks differed from one run to the next (the 26b-a4b's decode step was 1.4 % faster with
+    every GEMM on Triton than with the shapes it gave cuBLAS, on an H200). Falls back to
+    ``bench_cold`` where a graph cannot be captured."""
+    copies = weight_copies(weight.numel() * weight.element_size(),
+                           torch.cuda.get_device_properties(weight.device).L2_cache_size)
+    calls = max(8, copies)
+    try:
+        weights = [weight] + [weight.clone() for _ in range(copies - 1)]
+        return _graph_ms(triton_fn, weights, calls, 10), _graph_ms(other_fn, weights, calls, 10)
+    except (RuntimeError, torch.OutOfMemoryError):
+        torch.cuda.synchronize()
+        return bench_cold(lambda: triton_fn(weight)), bench_cold(lambda: other_fn(weight))

@@ -39,3 +39,23 @@ def test_linear_softcap_op_equals_reference(rows):
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=0.1)
     assert ((rows, n, k, torch.bfloat16, 0) in ls.picks()) == (rows <= ls.MAX_ROWS)
     assert not ls.failures()
+
+
+def test_graph_timing_times_both_paths_on_distinct_weights():
+    """The pick's timing (ops/pick.py time_in_graph) runs both paths in a CUDA graph and leaves the
+    weight as it was; every call it timed produced F.linear's result."""
+    from gemma4opt.kernels.skinny_linear import skinny_linear_triton
+    from gemma4opt.ops.pick import time_in_graph
+
+    x = torch.randn(1, 2560, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(2048, 2560, device="cuda") / 50).to(torch.bfloat16)
+    before = w.clone()
+    seen = []
+
+    def triton_fn(wc):
+        seen.append(wc.data_ptr())
+        return skinny_linear_triton(x, wc)
+
+    t_triton, t_cublas = time_in_graph(triton_fn, lambda wc: F.linear(x, wc), w)
+    assert 0 < t_triton < float("inf") and 0 < t_cublas < float("inf")
+    assert torch.equal(w, before) and len(set(seen)) > 1       # distinct copies, the weight untouched

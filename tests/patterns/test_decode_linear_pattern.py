@@ -121,3 +121,14 @@ def test_a_triton_result_that_differs_from_cublas_is_refused():
         linear_op.check_close(want.flip(0), want, other="cuBLAS")
     with pytest.raises(ValueError, match="differs from"):
         linear_op.check_close(torch.full((4, 64), float("nan")), want)
+
+
+def test_timed_weight_copies_overflow_l2():
+    """The pick's graph timing streams each call's weight from HBM: copies hold twice the L2."""
+    from gemma4opt.ops.pick import weight_copies
+
+    l2 = 50 * 2**20
+    assert weight_copies(2**30, l2) == 1                   # an lm_head: larger than L2 on its own
+    assert weight_copies(46 * 2**20, l2) == 3              # 3 x 46 MiB >= 100 MiB
+    assert weight_copies(10 * 2**20, l2) * 10 * 2**20 >= 2 * l2
+    assert weight_copies(1, l2) == 64                      # bounded memory for tiny weights
