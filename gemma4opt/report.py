@@ -219,6 +219,11 @@ def _decode_gemms(device: str, op_state: OpState) -> str:
         return _reference_line(device, "F.linear (lm_head: F.linear then the softcap in torch)", "GEMM")
     text = _picks_line(linear, op_state, "the skinny Triton GEMM", "cuBLAS", "rows",
                        "no shape of <= 32 rows timed yet (cuBLAS until one is)")
+    from gemma4opt.ops import gate_up_gelu
+
+    if gate_up_gelu.picks(op_state):
+        text += "; MLP gate/up + gelu·mul at one row: " + _picks_line(
+            gate_up_gelu, op_state, "the fused Triton GEMV", "the GEMM then the gelu·mul kernel", "rows", "")
     if linear_softcap.picks(op_state):
         text += "; lm_head + softcap: " + _picks_line(linear_softcap, op_state,
                                                        "the skinny GEMM with the softcap epilogue",

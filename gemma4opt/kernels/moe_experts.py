@@ -38,6 +38,31 @@ def _gate_up_tile(acc_g, acc_u, x, g_rows, u_rows, k0, K, nmask, BLOCK_K: tl.con
 
 
 @triton.jit
+def gate_up_sums(x, g_rows, u_rows, H, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr):
+    """(g, u) [BLOCK_N] fp32: the gate rows' and the up rows' dot products with x over all of H."""
+    g = tl.zeros([BLOCK_N], tl.float32)
+    u = tl.zeros([BLOCK_N], tl.float32)
+    if COMPILED:
+        for k0 in range(0, H, BLOCK_K):
+            g, u = _gate_up_tile(g, u, x, g_rows, u_rows, k0, H, nmask, BLOCK_K)
+    else:           # the interpreter takes no runtime range() bound
+        k0 = 0
+        while k0 < H:
+            g, u = _gate_up_tile(g, u, x, g_rows, u_rows, k0, H, nmask, BLOCK_K)
+            k0 += BLOCK_K
+    return g, u
+
+
+@triton.jit
+def gelu_mul_rounded(g, u, dt):
+    """HF's ``act_fn(gate) * up`` on fp32 GEMM sums: gate and up rounded to dt (the GEMM's output),
+    gelu's output rounded, the product rounded."""
+    g = g.to(dt).to(tl.float32)
+    u = u.to(dt).to(tl.float32)
+    return (gelu_tanh_rounded(g, dt) * u).to(dt)
+
+
+@triton.jit
 def _gate_up_kernel(X, IDX, GU, GS, ACT, H, I, sxt, sge, sgn,
                     TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr,
                     FP8: tl.constexpr, PDL: tl.constexpr):
@@ -50,26 +75,11 @@ def _gate_up_kernel(X, IDX, GU, GS, ACT, H, I, sxt, sge, sgn,
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
     g_rows = GU + e * sge + n.to(tl.int64)[:, None] * sgn
-    u_rows = g_rows + I * sgn
-    x = X + t.to(tl.int64) * sxt
-    dt = ACT.dtype.element_ty
-    g = tl.zeros([BLOCK_N], tl.float32)
-    u = tl.zeros([BLOCK_N], tl.float32)
-    if COMPILED:
-        for k0 in range(0, H, BLOCK_K):
-            g, u = _gate_up_tile(g, u, x, g_rows, u_rows, k0, H, nmask, BLOCK_K)
-    else:           # the interpreter takes no runtime range() bound
-        k0 = 0
-        while k0 < H:
-            g, u = _gate_up_tile(g, u, x, g_rows, u_rows, k0, H, nmask, BLOCK_K)
-            k0 += BLOCK_K
+    g, u = gate_up_sums(X + t.to(tl.int64) * sxt, g_rows, g_rows + I * sgn, H, nmask, BLOCK_N, BLOCK_K, COMPILED)
     if FP8:
         g = g * tl.load(GS + e * 2 * I + n, mask=nmask, other=0.0)
         u = u * tl.load(GS + e * 2 * I + I + n, mask=nmask, other=0.0)
-    g = g.to(dt).to(tl.float32)
-    u = u.to(dt).to(tl.float32)
-    act = gelu_tanh_rounded(g, dt)
-    tl.store(ACT + p.to(tl.int64) * I + n, (act * u).to(dt), mask=nmask)
+    tl.store(ACT + p.to(tl.int64) * I + n, gelu_mul_rounded(g, u, ACT.dtype.element_ty), mask=nmask)
 
 
 @triton.jit

@@ -3,6 +3,7 @@ from gemma4opt.ops import (  # noqa: F401
     add_rms_norm,
     add_rms_norm_quant,
     fp8_linear,
+    gate_up_gelu,
     gelu_tanh_mul,
     gelu_tanh_mul_quant,
     kv_append,

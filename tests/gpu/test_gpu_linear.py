@@ -59,3 +59,22 @@ def test_graph_timing_times_both_paths_on_distinct_weights():
     t_triton, t_cublas = time_in_graph(triton_fn, lambda wc: F.linear(x, wc), w)
     assert 0 < t_triton < float("inf") and 0 < t_cublas < float("inf")
     assert torch.equal(w, before) and len(set(seen)) > 1       # distinct copies, the weight untouched
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("i,h", [(10240, 2560), (2112, 2816)])      # e4b's and the 26b-a4b's dense MLP
+def test_gate_up_gelu_op_equals_hf_math(rows, i, h):
+    """The MLP's gate/up + gelu·mul op at real dimensions, whichever path the shape picked (one row
+    is timed and picked; more rows run the GEMM then the gelu·mul kernel)."""
+    from gemma4opt.ops import gate_up_gelu as gug
+
+    torch.manual_seed(i + rows)
+    x = torch.randn(rows, 1, h, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(2 * i, h, device="cuda") / h ** 0.5).to(torch.bfloat16)
+    got = torch.ops.gemma4opt.gate_up_gelu(x, w)
+    y = F.linear(x.float(), w.float())
+    want = F.gelu(y[..., :i], approximate="tanh") * y[..., i:]
+    assert got.shape == (rows, 1, i) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    assert ((rows, 2 * i, h, torch.bfloat16, 0) in gug.picks()) == (rows == 1)
+    assert not gug.failures()

@@ -11,7 +11,8 @@ from tests.patterns.helpers import Compiled
 # Patterns that match on what an earlier one produced.
 NEEDS = {"norm_rope": ["rms_norm"], "residual_norm": ["rms_norm"], "moe_router": ["rms_norm"],
          "norm_add": ["rms_norm", "residual_norm"],
-         "gelu_tanh_mul": ["merged_projections"]}
+         "gelu_tanh_mul": ["merged_projections"],
+         "gate_up_gelu": ["merged_projections", "gelu_tanh_mul", "decode_linear"]}
 # Ops of the fused blocks that must not survive the pass.
 GONE = {"gelu_tanh_mul": ["gelu"], "norm_rope": ["neg"], "logit_softcap": ["tanh"],
         "moe_router": ["topk", "softmax", "itruediv"], "residual_norm": ["imul"],

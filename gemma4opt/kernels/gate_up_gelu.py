@@ -1,0 +1,55 @@
+"""Triton ``gelu_tanh(x @ Wg^T) * (x @ Wu^T)`` for one decode row: a dense MLP's merged gate/up
+GEMV with gelu·mul in its epilogue, one launch where cuBLAS (or the skinny GEMM) and the gelu·mul
+kernel took two.
+
+W is the merged [2I, H] weight (merged_projections): gate rows 0..I-1, up rows I..2I-1. Each
+program owns BLOCK_N gate rows and the matching up rows, streams both over all of H (the MoE
+experts' gate/up kernel's inner loop, kernels/moe_experts.py, for one "expert") and writes
+BLOCK_N outputs, rounded as HF's eager MLP rounds (gate and up to the model dtype, gelu's output,
+the product). The GEMV sums run in another order than cuBLAS's, as the skinny GEMM's do: which of
+the two paths runs is a per-shape pick (ops/gate_up_gelu.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue
+from gemma4opt.kernels.moe_experts import TILES, _block_k, gate_up_sums, gelu_mul_rounded
+from gemma4opt.kernels.skinny_linear import _COMPILED
+
+MAX_ROWS = 1        # each row streams all of W again: more rows are the GEMM's work
+
+
+@triton.jit
+def _gate_up_gelu_kernel(X, W, OUT, H, I, sxt, swn, sot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         COMPILED: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < I
+    g_rows = W + n.to(tl.int64)[:, None] * swn
+    g, u = gate_up_sums(X + t * sxt, g_rows, g_rows + I * swn, H, nmask, BLOCK_N, BLOCK_K, COMPILED)
+    tl.store(OUT + t * sot + n, gelu_mul_rounded(g, u, OUT.dtype.element_ty), mask=nmask)
+
+
+def gate_up_gelu_triton(x: torch.Tensor, weight: torch.Tensor, launch: dict | None = None) -> torch.Tensor:
+    """x [..., H] (at most MAX_ROWS rows), weight [2I, H] with unit stride on H -> [..., I]."""
+    H = x.shape[-1]
+    two_i = weight.shape[0]
+    rows = x.numel() // max(H, 1)
+    if rows > MAX_ROWS or two_i % 2 or weight.shape[1] != H or weight.stride(1) != 1:
+        raise ValueError(f"gemma4opt gate_up_gelu: x {tuple(x.shape)} and weight {tuple(weight.shape)}: needs at most "
+                         f"{MAX_ROWS} row(s) and a [2I, {H}] weight with unit stride on its last dim")
+    I = two_i // 2
+    x2 = x.reshape(rows, H)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    out = torch.empty(rows, I, dtype=x.dtype, device=x.device)
+    if rows:
+        t = {**TILES, **(launch or {})}
+        _gate_up_gelu_kernel[(rows, triton.cdiv(I, t["gu_n"]))](
+            x2, weight, out, H, I, x2.stride(0), weight.stride(0), out.stride(0),
+            BLOCK_N=t["gu_n"], BLOCK_K=_block_k(H, t["gu_k"]), COMPILED=_COMPILED, num_warps=t["gu_warps"],
+            **pdl_flags(x))
+    return out.reshape(*x.shape[:-1], I)
