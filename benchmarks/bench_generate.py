@@ -98,9 +98,9 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      # The paged cache with FlashInfer's planned decode instead of the Triton kernel.
                      "gemma4opt-paged-fi": dict(attention="paged", decode_kernel="flashinfer"),
                      "gemma4opt-paged-auto": dict(attention="paged", decode_kernel="auto"),
-                     # Every decode GEMM on cuBLAS (no decode_linear): the skinny Triton GEMM's share.
+                     # Every decode GEMM on cuBLAS (no decode_linear, no gate_up_gelu): the Triton GEMMs' share.
                      "gemma4opt-paged-cublas": dict(attention="paged", patterns=tuple(
-                         p for p in PATTERN_NAMES if p != "decode_linear")),
+                         p for p in PATTERN_NAMES if p not in ("decode_linear", "gate_up_gelu"))),
                      # Every decode GEMM on the skinny Triton GEMM, whatever the per-shape timing picked
                      # (the margin it must beat cuBLAS by made unbeatable): is the isolated timing's pick
                      # the faster one inside the decode graph?

@@ -182,7 +182,8 @@ for s in "$@"; do
     final-presets)
       # The decode GEMM picks and MoE tiles on the GPU (tests), then the 26b-a4b at batch 1 and 8 and the e4b
       # at 1 and 32 against eager, the e4b with every decode GEMM on cuBLAS beside it (the picks' share).
-      stage final-gpu-tests 110 $PYTEST tests/gpu/test_gpu_linear.py tests/gpu/test_gpu_moe_experts.py
+      stage final-gpu-tests 110 $PYTEST tests/gpu/test_gpu_linear.py tests/gpu/test_gpu_moe_experts.py \
+            tests/kernels/test_gate_up_gelu_kernel.py tests/kernels/test_moe_experts_kernel.py
       stage final-26b-a4b 210 $GEN 26b-a4b --batch 1 8 --systems eager gemma4opt --json "$OUT/generate.jsonl"
       stage final-e4b 240 $GEN e4b --batch 1 32 --systems eager gemma4opt-paged-cublas gemma4opt \
             --json "$OUT/generate.jsonl" ;;
