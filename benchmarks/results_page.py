@@ -26,7 +26,9 @@ SYSTEM_NAMES = {"eager": "HF eager", "static_compile": "HF static cache + torch.
                 "gemma4opt-fp8": "gemma4opt one-liner, fp8 weights",
                 "gemma4opt-before": "gemma4opt one-liner, the older checkout named in the command",
                 "gemma4opt-hf-before": "gemma4opt-hf, the older checkout named in the command",
-                "eager-before": "HF eager, beside the older checkout"}
+                "eager-before": "HF eager, beside the older checkout",
+                "gemma4opt-triton-gemms": "gemma4opt one-liner, every decode GEMM on the Triton GEMM",
+                "gemma4opt-paged-cublas": "gemma4opt paged, every decode GEMM on cuBLAS"}
 
 
 def _rows(pattern):

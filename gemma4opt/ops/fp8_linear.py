@@ -17,19 +17,12 @@ import torch
 
 from gemma4opt.ops.fp8 import fp8_linear_reference
 from gemma4opt.ops.pick import bench_cold, check_close
-from gemma4opt.ops.state import OpState, picks_for
+from gemma4opt.ops.state import picks_api, picks_for
 
 MAX_ROWS = 32
 
 
-def picks(state: OpState | None = None) -> dict[tuple, bool]:
-    """The shapes timed so far in ``state`` (default: the active one) and whether each runs Triton."""
-    return picks_for("fp8_linear", state).picks()
-
-
-def failures(state: OpState | None = None) -> dict[tuple, str]:
-    """The shapes whose Triton GEMM raised when timed in ``state``, with why."""
-    return picks_for("fp8_linear", state).failures()
+picks, failures = picks_api("fp8_linear")
 
 
 @torch.library.custom_op("gemma4opt::fp8_linear", mutates_args=())

@@ -13,17 +13,10 @@ from __future__ import annotations
 import torch
 
 from gemma4opt.ops.pick import check_close, time_in_graph
-from gemma4opt.ops.state import OpState, picks_for
+from gemma4opt.ops.state import picks_api, picks_for
 
 
-def picks(state: OpState | None = None) -> dict[tuple, bool]:
-    """The shapes timed so far in ``state`` (default: the active one) and whether each runs the fused kernel."""
-    return picks_for("gate_up_gelu", state).picks()
-
-
-def failures(state: OpState | None = None) -> dict[tuple, str]:
-    """The shapes whose fused kernel raised when timed in ``state`` (default: the active one), with why."""
-    return picks_for("gate_up_gelu", state).failures()
+picks, failures = picks_api("gate_up_gelu")
 
 
 @torch.library.custom_op("gemma4opt::gate_up_gelu", mutates_args=())

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from gemma4opt.ops.pick import check_close, time_in_graph
-from gemma4opt.ops.state import OpState, picks_for
+from gemma4opt.ops.state import picks_api, picks_for
 
 MAX_ROWS = 32
 
@@ -26,14 +26,7 @@ MAX_ROWS = 32
 # Picks: (rows, N, K, dtype, device index) -> the Triton GEMM, kept per optimized model
 # (ops/state.py). A Triton GEMM that fails to compile or run (an unexpected GPU, say) leaves that
 # shape on cuBLAS, and the report says why.
-def picks(state: OpState | None = None) -> dict[tuple, bool]:
-    """The shapes timed so far in ``state`` (default: the active one) and whether each runs Triton."""
-    return picks_for("linear", state).picks()
-
-
-def failures(state: OpState | None = None) -> dict[tuple, str]:
-    """The shapes whose Triton GEMM raised when timed in ``state`` (default: the active one), with why."""
-    return picks_for("linear", state).failures()
+picks, failures = picks_api("linear")
 
 
 @torch.library.custom_op("gemma4opt::linear", mutates_args=())

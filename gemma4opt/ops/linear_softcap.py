@@ -13,20 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from gemma4opt.ops.pick import check_close, time_in_graph
-from gemma4opt.ops.state import OpState, picks_for
+from gemma4opt.ops.state import picks_api, picks_for
 
 MAX_ROWS = 32
 
 
 # Picks: (rows, N, K, dtype, device index) -> the Triton GEMM + epilogue, per optimized model (ops/state.py).
-def picks(state: OpState | None = None) -> dict[tuple, bool]:
-    """The shapes timed so far in ``state`` (default: the active one) and whether each runs Triton."""
-    return picks_for("linear_softcap", state).picks()
-
-
-def failures(state: OpState | None = None) -> dict[tuple, str]:
-    """The shapes whose Triton GEMM raised when timed in ``state`` (default: the active one), with why."""
-    return picks_for("linear_softcap", state).failures()
+picks, failures = picks_api("linear_softcap")
 
 
 @torch.library.custom_op("gemma4opt::linear_softcap", mutates_args=())

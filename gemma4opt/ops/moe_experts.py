@@ -16,18 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from gemma4opt.ops.pick import bench_cold, check_close
-from gemma4opt.ops.state import OpState, current, picks_for
+from gemma4opt.ops.state import OpState, current, picks_api, picks_for
 
 
 # Picks: (tokens, k, experts, 2I, H, dtype, device index) -> the Triton path, per optimized model.
-def picks(state: OpState | None = None) -> dict[tuple, bool]:
-    """The shapes timed so far in ``state`` (default: the active one) and whether each runs Triton."""
-    return picks_for("moe_experts", state).picks()
-
-
-def failures(state: OpState | None = None) -> dict[tuple, str]:
-    """The shapes whose decode kernels raised when timed in ``state`` (default: the active one), with why."""
-    return picks_for("moe_experts", state).failures()
+picks, failures = picks_api("moe_experts")
 
 
 def register_experts(module: torch.nn.Module, state: OpState | None = None) -> int:

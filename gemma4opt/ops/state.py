@@ -58,3 +58,16 @@ def active(state: OpState) -> Iterator[OpState]:
 def picks_for(op: str, state: OpState | None = None) -> ShapePicks:
     """``op``'s per-shape picks in ``state``, by default in the active one."""
     return (state if state is not None else current()).shapes[op]
+
+
+def picks_api(op: str):
+    """An op module's ``picks(state=None)`` (the shapes timed so far in ``state``, default the active
+    one, and whether each runs the Triton kernel) and ``failures(state=None)`` (the shapes whose Triton
+    kernel raised when timed, with why): what report() and the tests read."""
+    def picks(state: OpState | None = None) -> dict[tuple, bool]:
+        return picks_for(op, state).picks()
+
+    def failures(state: OpState | None = None) -> dict[tuple, str]:
+        return picks_for(op, state).failures()
+
+    return picks, failures
