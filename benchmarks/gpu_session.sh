@@ -56,8 +56,8 @@
 #              one-liner at batch 1 and 8 against eager (330 s), its fp8 experts test (110 s).
 #   probe      the MoE decode tiles swept at the 26b-a4b's shapes (150 s), the 26b-a4b at batch 1 with
 #              every decode GEMM on Triton against the timed picks (200 s), e4b at 1 and 32 (230 s).
-#   final-presets  GEMM pick, gate/up GEMV and MoE GPU tests (110 s), the 26b-a4b at 1 and 8 (210 s), the e4b
-#              at 1 with every decode GEMM on cuBLAS beside the one-liner (240 s), all against eager.
+#   final-presets  GEMM pick, gate/up GEMV and MoE GPU tests (90 s), the 26b-a4b at 1 and 8 (190 s), the e4b
+#              at 1 with every decode GEMM on cuBLAS beside the one-liner (220 s), all against eager.
 #   speed-31b-full  the 60-layer 31b at batch 1, same systems (limit 590 s; 62 GB, no model copies).
 #   tp         on nvidia-h200-x2 only: tests/gpu/test_gpu_tensor_parallel.py (two ranks over NCCL, every
 #              tiny variant, CUDA graphs capturing the all-reduces; limit 300 s), then bench_tp.py under
@@ -182,10 +182,10 @@ for s in "$@"; do
     final-presets)
       # The decode GEMM picks, the fused gate/up GEMV and the MoE tiles on the GPU (tests), then the 26b-a4b at
       # batch 1 and 8 and the e4b at 1 against eager, the e4b with every decode GEMM on cuBLAS beside it.
-      stage final-gpu-tests 110 $PYTEST tests/gpu/test_gpu_linear.py tests/gpu/test_gpu_moe_experts.py \
+      stage final-gpu-tests 90 $PYTEST tests/gpu/test_gpu_linear.py tests/gpu/test_gpu_moe_experts.py \
             tests/kernels/test_gate_up_gelu_kernel.py tests/kernels/test_moe_experts_kernel.py
-      stage final-26b-a4b 210 $GEN 26b-a4b --batch 1 8 --systems eager gemma4opt --json "$OUT/generate.jsonl"
-      stage final-e4b 240 $GEN e4b --batch 1 --systems eager gemma4opt-paged-cublas gemma4opt \
+      stage final-26b-a4b 190 $GEN 26b-a4b --batch 1 8 --systems eager gemma4opt --json "$OUT/generate.jsonl"
+      stage final-e4b 220 $GEN e4b --batch 1 --systems eager gemma4opt-paged-cublas gemma4opt \
             --json "$OUT/generate.jsonl" ;;
     moe-e2b-ab)
       # No FlashInfer JIT (a fresh machine's ~140 s): the MoE decode kernels and norm_add compiled against
