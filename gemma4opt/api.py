@@ -19,7 +19,7 @@ from gemma4opt.compiler.pattern import PassContext
 from gemma4opt.config import Gemma4OptConfig, choose_attention
 from gemma4opt.edits import InstanceEdits, own_configs
 from gemma4opt.fixed_tensors import FixedTensors
-from gemma4opt.ops.fp8_weights import fp8_linears, quantize_linears
+from gemma4opt.ops.fp8_weights import foreign_projections, fp8_linears, quantize_linears
 from gemma4opt.ops.state import OpState, active
 from gemma4opt.paged.forward import is_paged, paged_forward
 from gemma4opt.paged.install import check_paged_supported, install_paged
@@ -199,6 +199,11 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
         check_paged_supported(device, dtype, text_config, kv_pool_dtype(cfg.kv_cache_dtype, dtype))
     _check_not_unquantizing(target, cfg)
     _check_not_unsharding(target, cfg)
+    if cfg.tensor_parallel and sharded(target) is None and foreign_projections(target):
+        raise ValueError("gemma4opt tensor_parallel splits plain nn.Linear projections only; this model has "
+                         f"{', '.join(foreign_projections(target)[:2])}, ...: a quantized checkpoint's modules, "
+                         "whose packed weights and scales gemma4opt cannot split (load it unquantized, or "
+                         "optimize without tensor_parallel)")
     shard = sharded(target) or (plan_shard(text_config) if cfg.tensor_parallel else None)
     scope = "causal_lm" if target is model else "text_model"
     state = OptimizationState(cfg, type(model).__name__, scope, text_config)

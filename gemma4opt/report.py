@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gemma4opt.api import get_state
-from gemma4opt.ops.fp8_weights import fp8_experts, fp8_linears
+from gemma4opt.ops.fp8_weights import foreign_projections, fp8_experts, fp8_linears
 from gemma4opt.ops.state import OpState
 from gemma4opt.patterns.paged_qkv import ATTENTION_OPS
 
@@ -147,6 +147,16 @@ def _kv_cache_line(ctx) -> str:
 
 
 def _weights(model, state, device: str) -> str:
+    foreign = foreign_projections(model)
+    # A quantized checkpoint's modules (transformers' FP8Linear, bitsandbytes, ...): said first.
+    text = (f"{len(foreign)} projections are a quantized checkpoint's own modules ({foreign[0]}, ...): they run "
+            "their own forward, unmerged (the fusions around them apply; merged_projections lists them)"
+            if foreign else "")
+    fp8 = _fp8_weights(model, state, device)
+    return "; ".join(t for t in (text, fp8) if t)
+
+
+def _fp8_weights(model, state, device: str) -> str:
     if state.config.quantization != "fp8":
         return ""
     mods = fp8_linears(model)

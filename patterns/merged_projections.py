@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
 from gemma4opt.compiler.regions import innermost, op_name, place, regions_of_type, resolve_module
-from gemma4opt.ops.fp8_weights import Fp8Linear
+from gemma4opt.ops.fp8_weights import Fp8Linear, foreign_linear
 
 MERGED_ATTR = "_gemma4opt_merged_weight"
 MERGED_SCALE_ATTR = "_gemma4opt_merged_weight_scale"     # fp8: the merged per-channel scales
@@ -39,7 +39,8 @@ _GROUPS = {"Gemma4TextAttention": ("q_proj", "k_proj", "v_proj"), "Gemma4TextMLP
 def _merge(module: torch.nn.Module, names: tuple[str, ...]) -> None:
     linears = [getattr(module, n, None) for n in names]
     linears = [lin for lin in linears if lin is not None]
-    if len(linears) < 2 or any(lin.bias is not None for lin in linears) or _views_of(module, linears):
+    if (len(linears) < 2 or any(lin.bias is not None or foreign_linear(lin) for lin in linears)
+            or _views_of(module, linears)):
         return
     fp8 = [isinstance(lin, Fp8Linear) for lin in linears]
     if any(fp8) and not all(fp8):
@@ -93,7 +94,12 @@ class MergedProjectionsPattern(Pattern):
                 merged = getattr(module, MERGED_ATTR, None)
                 owned = [n for n in names if getattr(module, n, None) is not None]
                 if merged is None:
-                    if len(owned) >= 2:
+                    foreign = [n for n in owned if foreign_linear(getattr(module, n))]
+                    if foreign:
+                        kind = type(getattr(module, foreign[0])).__name__
+                        res.unfused.append(f"{region.path}: {', '.join(foreign)} {'is a' if len(foreign) == 1 else 'are'} "
+                                           f"{kind} (not an nn.Linear): left to its own forward")
+                    elif len(owned) >= 2:
                         res.unfused.append(f"{region.path}: projections have a bias or were not merged")
                     continue
                 why = self._rewrite(gm, ctx, region, module, owned, merged)

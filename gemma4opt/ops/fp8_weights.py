@@ -162,6 +162,21 @@ def _unsupported(lin) -> str | None:
     return None
 
 
+def foreign_linear(lin) -> bool:
+    """A projection that is neither a plain nn.Linear nor gemma4opt's Fp8Linear: a quantized
+    checkpoint's module (transformers' FP8Linear, bitsandbytes' Linear4bit, ...) whose weight is
+    packed or comes with scales its own forward applies. Its weight is never merged, split or
+    replaced: it runs its own forward."""
+    return lin is not None and type(lin) is not torch.nn.Linear and not isinstance(lin, Fp8Linear)
+
+
+def foreign_projections(root: torch.nn.Module) -> list[str]:
+    """``path (type)`` of every attention / dense-MLP projection under root that is a foreign_linear."""
+    return [f"{path}.{name} ({type(lin).__name__})" for path, module in root.named_modules()
+            for name in QUANTIZED_BLOCKS.get(type(module).__name__, ())
+            if foreign_linear(lin := getattr(module, name, None))]
+
+
 def fp8_linears(root: torch.nn.Module) -> list[Fp8Linear]:
     return [m for m in root.modules() if isinstance(m, Fp8Linear)]
 
