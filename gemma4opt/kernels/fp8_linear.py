@@ -145,7 +145,8 @@ def fp8_linear_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.T
                       out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
     """x_fp8 [..., K] (at most MAX_ROWS rows) with fp32 scales [...], w_fp8 [N, K] (unit stride along
     K) with fp32 scales [N] -> [..., N] in out_dtype. ``config`` runs one tile instead of the
-    autotuned one: BLOCK_N, BLOCK_K, and optionally SPLIT_K, SWAP, num_warps, num_stages."""
+    autotuned one: BLOCK_N, BLOCK_K, and optionally SPLIT_K, SWAP, num_warps, num_stages, and
+    BLOCK_M (16 or 32 runs one row through the tl.dot path, padded and masked)."""
     x2 = rows_view(x_fp8)
     M, K = x2.shape
     N = w_fp8.shape[0]
@@ -162,6 +163,11 @@ def fp8_linear_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.T
     y = torch.empty(M, N, dtype=out_dtype, device=x_fp8.device)
     if M and N:
         bm = 1 if M == 1 else 16 if M <= 16 else 32
+        if config is not None and "BLOCK_M" in config:
+            config = dict(config)
+            bm = config.pop("BLOCK_M")
+            if bm not in (1, 16, 32) or bm < M:
+                raise ValueError(f"gemma4opt fp8_linear: BLOCK_M={bm} for {M} rows (1, 16 or 32, at least the rows)")
         part = torch.empty(MAX_SPLIT * M * N if bm > 1 else 1, dtype=torch.float32, device=x_fp8.device)
         args = (x2, xs, w_fp8, ws, y, part, M, N, K, x2.stride(0), w_fp8.stride(0), y.stride(0))
         flags = dict(BLOCK_M=bm, COMPILED=_COMPILED, **pdl_flags(y))

@@ -105,6 +105,15 @@ def test_explicit_tiles_transposed_or_split(swap, split, rows, n, k):
     close(fp8_linear_triton(xq, xs, wq, ws, torch.float32, cfg), xq, xs, wq, ws, torch.float32)
 
 
+@pytest.mark.parametrize("block_m,split", [(16, 1), (16, 3), (32, 2)])
+def test_one_row_through_the_dot_path(block_m, split):
+    """One row padded to 16 or 32 for the tensor-core tile (its other rows masked), W rows as the
+    dot's M side, unsplit or split: the reference's product."""
+    xq, xs, wq, ws = _operands(1, 70, 200, seed=block_m + split)
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32, SPLIT_K=split, SWAP=True)
+    close(fp8_linear_triton(xq, xs, wq, ws, torch.bfloat16, cfg), xq, xs, wq, ws, torch.bfloat16)
+
+
 def test_zero_rows_and_channels():
     """An all-zero token and an all-zero weight row (scales at their minimum) give exact zeros."""
     g = torch.Generator().manual_seed(1)
@@ -131,4 +140,6 @@ def test_refuses_what_it_cannot_run_and_empty_inputs():
         fp8_linear_triton(xq, xs, wq, ws, torch.bfloat16, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=8))
     with pytest.raises(ValueError, match="SWAP needs 2"):
         fp8_linear_triton(xq[:1], xs[:1], wq, ws, torch.bfloat16, dict(BLOCK_N=16, BLOCK_K=32, SWAP=True))
+    with pytest.raises(ValueError, match="BLOCK_M=16 for 32 rows"):
+        fp8_linear_triton(*_operands(MAX_ROWS, 8, 32), torch.bfloat16, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32))
     assert fp8_linear_triton(xq[:0], xs[:0], wq, ws, torch.bfloat16).shape == (0, 8)
