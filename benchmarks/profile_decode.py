@@ -18,7 +18,8 @@ from gemma4opt.presets import ALL_PRESETS, build_model
 
 
 # Kernel name fragments per category: what a decode step's device time goes to.
-CATEGORIES = [("gemm", ("nvjet", "gemm", "splitKreduce", "cutlass_80_tensorop", "sm90_xmma", "_skinny_kernel")),
+CATEGORIES = [("gemm", ("nvjet", "gemm", "splitKreduce", "cutlass_80_tensorop", "sm90_xmma", "_skinny_kernel",
+                      "_fp8_linear", "_split_sum")),
               ("attention", ("sdpa", "fmha", "flash", "BatchDecode", "BatchPrefill", "Attention",
                              "_decode_split_kernel", "_merge_kernel")),
               ("gemma4opt triton", ("_rms_norm", "_add_rms_norm", "_gelu_tanh_mul", "_softcap", "_moe_router",
@@ -114,9 +115,12 @@ def main(argv=None):
     ap.add_argument("--inductor", type=int, default=None, choices=[0, 1])
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--attention", default="hf", choices=["hf", "paged"])
+    ap.add_argument("--quantization", default=None, choices=["fp8"])
+    ap.add_argument("--quantize-lm-head", action="store_true")
     args = ap.parse_args(argv)
     model = build_model(args.preset, args.layers, dtype=torch.bfloat16, device="cuda")
-    opts = dict(inductor=None if args.inductor is None else bool(args.inductor), attention=args.attention)
+    opts = dict(inductor=None if args.inductor is None else bool(args.inductor), attention=args.attention,
+                quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
     if args.attention == "paged":       # a pool for exactly this run
         opts.update(max_batch_size=args.batch, max_seq_len=args.prompt + args.new + 16)
     cfg = gemma4opt.Gemma4OptConfig(**opts)

@@ -24,6 +24,7 @@ PAGE = os.path.join(ROOT, "docs", "results.md")
 SYSTEM_NAMES = {"eager": "HF eager", "static_compile": "HF static cache + torch.compile",
                 "gemma4opt": "gemma4opt one-liner", "gemma4opt-paged": "gemma4opt paged, sized for the run",
                 "gemma4opt-fp8": "gemma4opt one-liner, fp8 weights",
+                "gemma4opt-fp8-head": "gemma4opt one-liner, fp8 weights and lm_head",
                 "gemma4opt-before": "gemma4opt one-liner, the older checkout named in the command",
                 "gemma4opt-hf-before": "gemma4opt-hf, the older checkout named in the command",
                 "eager-before": "HF eager, beside the older checkout",

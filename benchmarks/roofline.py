@@ -31,15 +31,23 @@ def weight_bytes_per_step(model, batch: int) -> int:
     # quantization="fp8": the projections and experts are e4m3 buffers (and fp32 scales) of
     # Fp8Linear / Fp8Experts modules.
     fp8 = [(n, b) for n, b in model.named_buffers() if _is_fp8_module(model, n)]
+    # quantize_lm_head=True: the lm_head streams its fp8 copy, the bf16 table only gives the tokens' rows.
+    table = model.get_input_embeddings().weight if _fp8_head(model) else None
     for name, p in [*model.named_parameters(), *fp8]:
         nbytes = p.numel() * p.element_size()
-        if "embed_tokens_per_layer" in name:
+        if "embed_tokens_per_layer" in name or p is table:
             nbytes = batch * p.shape[1] * p.element_size()
         elif name.removesuffix("_scale").endswith(("experts.gate_up_proj", "experts.down_proj")):
             e, k = cfg.num_experts, cfg.top_k_experts
             nbytes = int(nbytes * (1 - (1 - k / e) ** batch))
         total += nbytes
     return total
+
+
+def _fp8_head(model) -> bool:
+    from gemma4opt.ops.fp8_weights import Fp8Linear
+
+    return isinstance(getattr(model, "get_output_embeddings", lambda: None)(), Fp8Linear)
 
 
 def _is_fp8_module(model, buffer_name: str) -> bool:

@@ -19,7 +19,7 @@ from gemma4opt.compiler.pattern import PassContext
 from gemma4opt.config import Gemma4OptConfig, choose_attention
 from gemma4opt.edits import InstanceEdits, own_configs
 from gemma4opt.fixed_tensors import FixedTensors
-from gemma4opt.ops.fp8_weights import foreign_projections, fp8_linears, quantize_linears
+from gemma4opt.ops.fp8_weights import Fp8Linear, foreign_projections, fp8_linears, quantize_lm_head, quantize_linears
 from gemma4opt.ops.state import OpState, active
 from gemma4opt.paged.forward import is_paged, paged_forward
 from gemma4opt.paged.install import check_paged_supported, install_paged
@@ -150,7 +150,7 @@ def optimize(model, config: Gemma4OptConfig | None = None):
     if old is not None:
         if config is None or config == old.user_config:
             return model
-        _check_not_unquantizing(target, config)      # before the revert: a refusal leaves the model as it was
+        _check_not_unquantizing(model, target, config)      # before the revert: a refusal leaves the model as it was
         _check_not_unsharding(target, config)
         warnings.warn(f"gemma4opt.optimize: this model was optimized with {old.user_config}; re-optimizing it "
                       f"with {config} (graphs are compiled again and the KV pool is rebuilt)", stacklevel=2)
@@ -164,11 +164,16 @@ def optimize(model, config: Gemma4OptConfig | None = None):
     return model
 
 
-def _check_not_unquantizing(target, config: Gemma4OptConfig) -> None:
+def _check_not_unquantizing(model, target, config: Gemma4OptConfig) -> None:
     if config.quantization is None and fp8_linears(target):
         raise ValueError("gemma4opt.optimize: this model's linears were quantized to fp8 by an earlier "
                          "optimize(..., Gemma4OptConfig(quantization='fp8')) and its bf16 weights are gone; "
                          "keep quantization='fp8', or load the model again for bf16")
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if not config.quantize_lm_head and isinstance(head, Fp8Linear):
+        raise ValueError("gemma4opt.optimize: this model's lm_head was quantized to fp8 by an earlier "
+                         "optimize(..., Gemma4OptConfig(quantization='fp8', quantize_lm_head=True)); keep "
+                         "quantize_lm_head=True, or load the model again for a bf16 lm_head")
 
 
 def _check_not_unsharding(target, config: Gemma4OptConfig) -> None:
@@ -197,7 +202,7 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
         mode_reason = f"attention={cfg.attention!r} (set in Gemma4OptConfig)"
     if cfg.attention == "paged":
         check_paged_supported(device, dtype, text_config, kv_pool_dtype(cfg.kv_cache_dtype, dtype))
-    _check_not_unquantizing(target, cfg)
+    _check_not_unquantizing(model, target, cfg)
     _check_not_unsharding(target, cfg)
     if cfg.tensor_parallel and sharded(target) is None and foreign_projections(target):
         raise ValueError("gemma4opt tensor_parallel splits plain nn.Linear projections only; this model has "
@@ -220,7 +225,7 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
 
     dyn = torch._dynamo.config
     dyn.recompile_limit = max(dyn.recompile_limit, _RECOMPILE_LIMIT)
-    patterns = build_patterns(cfg.quantization)
+    patterns = build_patterns(cfg.quantization, cfg.quantize_lm_head)
     paged = cfg.attention == "paged"
     enabled = [patterns[n] for n in cfg.enabled_patterns()
                if (paged or not patterns[n].paged_only) and (cfg.quantization or not patterns[n].quantized_only)]
@@ -271,6 +276,8 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
         edits.set(model, "save_pretrained", _refuse_save_sharded)
     if cfg.quantization == "fp8":
         state.quantized = quantize_linears(target, drop_attrs=(MERGED_ATTR,))
+        if cfg.quantize_lm_head:
+            state.quantized.update(quantize_lm_head(model))
         edits.set(model, "save_pretrained", _refuse_save)
     for p in enabled:
         p.prepare(target, text_config)

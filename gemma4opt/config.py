@@ -83,8 +83,14 @@ class Gemma4OptConfig:
         scale per output channel, in place: the bf16 weights are dropped, not kept beside the fp8
         ones (so it cannot be undone: load the model again for bf16). Activations are quantized per
         token, inside the kernel that produces them (rms_norm, the residual tail, gelu_tanh_mul).
-        Not quantized: the lm_head (tied to the embedding table, so an fp8 copy would add bytes),
-        the MoE experts, the router, and the per-layer-input (PLE) projections. ``report()`` lists it.
+        Not quantized: the lm_head (unless ``quantize_lm_head``), the MoE router, and the
+        per-layer-input (PLE) projections. ``report()`` lists it.
+    quantize_lm_head: ``False`` (default). ``True`` (with quantization="fp8"): the lm_head in e4m3
+        too, one scale per vocabulary row, the final-logit softcap as its GEMM's epilogue. Its weight
+        is tied to the embedding table, which stays in bf16 for the token lookup, so this adds an
+        fp8 copy (vocab x hidden bytes: 1.4 GB on the 31b) and halves the largest single read of a
+        decode step. Off by default: transformers' own FP8 path keeps the lm_head in bf16, and its
+        logits error is the bar (bench_fp8_quality.py measures both).
     kv_cache_dtype: "auto" (default): the paged KV pool in the model's dtype. "fp8": in e4m3 (half
         the bytes of bf16: a memory budget holds twice the tokens), with one fp32 scale per layer for
         k and one for v, 1.0 by default (Gemma-4 RMS-normalizes k and v per head, so they are O(1));
@@ -115,6 +121,7 @@ class Gemma4OptConfig:
     fast_replan: bool = True
     decode_kernel: str = "triton"
     quantization: str | None = None
+    quantize_lm_head: bool = False
     kv_cache_dtype: str = "auto"
     tensor_parallel: bool = False
 
@@ -223,9 +230,11 @@ def _check_fields(c: Gemma4OptConfig) -> None:
     for name in ("inductor", "cuda_graphs", "deferred_stop"):
         if getattr(c, name) is not None and not isinstance(getattr(c, name), bool):
             fail(name, "True, False or None (automatic)", TypeError)
-    for name in ("fast_replan", "tensor_parallel"):
+    for name in ("fast_replan", "tensor_parallel", "quantize_lm_head"):
         if not isinstance(getattr(c, name), bool):
             fail(name, "True or False", TypeError)
+    if c.quantize_lm_head and c.quantization != "fp8":
+        fail("quantize_lm_head", f"needs quantization='fp8' (got quantization={c.quantization!r})")
     for name, low, optional in (("page_size", 1, False), ("max_batch_size", 1, True), ("max_seq_len", 1, True),
                                 ("kv_pool_pages", 2, True)):
         v = getattr(c, name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gemma4opt.api import get_state
-from gemma4opt.ops.fp8_weights import foreign_projections, fp8_experts, fp8_linears
+from gemma4opt.ops.fp8_weights import Fp8Linear, foreign_projections, fp8_experts, fp8_linears
 from gemma4opt.ops.state import OpState
 from gemma4opt.patterns.paged_qkv import ATTENTION_OPS
 
@@ -160,6 +160,7 @@ def _fp8_weights(model, state, device: str) -> str:
     if state.config.quantization != "fp8":
         return ""
     mods = fp8_linears(model)
+    head = isinstance(getattr(model, "get_output_embeddings", lambda: None)(), Fp8Linear)
     experts = fp8_experts(model)
     n = sum(m.weight.numel() for m in mods) + sum(m.gate_up_proj.numel() + m.down_proj.numel() for m in experts)
     scales = sum(m.weight_scale.numel() for m in mods) + sum(
@@ -170,11 +171,13 @@ def _fp8_weights(model, state, device: str) -> str:
     gemm = _fp8_gemms(device, state.op_state)
     moe = (f" and {len(experts)} MoE experts blocks (weight-only: tokens stay in {_dtype_name(dtype)}; "
            "gemma4opt's decode kernels, the reference per expert above their pair count)") if experts else ""
+    kept = ("the embedding table (the lm_head's fp8 copy beside it), " if head
+            else "the lm_head (tied to the embedding table), ")
     return (f"fp8 e4m3, one fp32 scale per output channel: {len(mods)} linears (attention q/k/v/o, dense MLP "
-            f"gate/up/down){moe}, {format_bytes(n + 4 * scales)} ({format_bytes(n * dtype.itemsize)} in "
-            f"{_dtype_name(dtype)}){skipped}; GEMMs: {gemm}; inputs quantized per token in the kernel that produces "
-            f"them (fp8_quant), o_proj's on its own; kept in {_dtype_name(dtype)}: the lm_head (tied to the "
-            "embedding table), the MoE router, the per-layer-input (PLE) projections")
+            f"gate/up/down{', lm_head' if head else ''}){moe}, {format_bytes(n + 4 * scales)} "
+            f"({format_bytes(n * dtype.itemsize)} in {_dtype_name(dtype)}){skipped}; GEMMs: {gemm}; inputs quantized "
+            f"per token in the kernel that produces them (fp8_quant), o_proj's on its own; kept in "
+            f"{_dtype_name(dtype)}: {kept}the MoE router, the per-layer-input (PLE) projections")
 
 
 def _dtype_name(dtype) -> str:

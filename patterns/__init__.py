@@ -16,8 +16,9 @@ PATTERN_NAMES = ("rms_norm", "merged_projections", "norm_rope", "paged_qkv", "ge
                  "gate_up_gelu")
 
 
-def build_patterns(quantization: str | None = None) -> dict:
-    """Every pattern, built for what the graph's linears are (Gemma4OptConfig.quantization)."""
+def build_patterns(quantization: str | None = None, quantize_lm_head: bool = False) -> dict:
+    """Every pattern, built for what the graph's linears are (Gemma4OptConfig.quantization and
+    quantize_lm_head)."""
     from .decode_linear import DecodeLinearPattern
     from .fp8_quant import Fp8QuantPattern
     from .gate_up_gelu import GateUpGeluPattern
@@ -35,6 +36,6 @@ def build_patterns(quantization: str | None = None) -> dict:
     classes = [RMSNormPattern, MergedProjectionsPattern, NormRopePattern, PagedQKVPattern, GeluTanhMulPattern,
                ResidualNormPattern, NormAddPattern, Fp8QuantPattern, MoeRouterPattern, MoeExpertsPattern, LogitSoftcapPattern,
                DecodeLinearPattern, GateUpGeluPattern]
-    patterns = [cls(quantization) for cls in classes]
+    patterns = [cls(quantization, quantize_lm_head) for cls in classes]
     assert tuple(p.name for p in patterns) == PATTERN_NAMES
     return {p.name: p for p in patterns}

@@ -39,7 +39,10 @@ class Fp8QuantPattern(Pattern):
     quantized_only = True
 
     def expected(self, cfg, scope):
-        return 3 * cfg.num_hidden_layers if self.quantization == "fp8" else 0
+        if self.quantization != "fp8":
+            return 0
+        # An fp8 lm_head's input is the final norm's output, quantized by it (in the CausalLM's graph).
+        return 3 * cfg.num_hidden_layers + int(self.quantize_lm_head and scope == "causal_lm")
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = PassResult()

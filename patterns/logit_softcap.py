@@ -9,6 +9,9 @@ reads reach lm_head)::
 Fused::
 
     logits = gemma4opt.linear_softcap(h, W_lm, cap)     # the cap applied in place on the GEMM output
+
+With an fp8 lm_head (Gemma4OptConfig(quantize_lm_head=True)) the linear is
+``gemma4opt.fp8_linear(q, s, W_q, w_s, dtype)``, and the softcap becomes its ``cap`` argument.
 """
 from __future__ import annotations
 
@@ -37,16 +40,29 @@ class LogitSoftcapPattern(Pattern):
             lin, cap = div.args[0], div.args[1]
             if not isinstance(cap, (int, float)) or scalar_operand(mul) != (tanh, cap):
                 continue
+            if op_name(lin) == "fp8_linear.default" and len(lin.users) == 1 and len(lin.args) == 5 \
+                    and not lin.kwargs:
+                # An fp8 lm_head (quantize_lm_head=True): the softcap becomes the fp8 GEMM's epilogue.
+                with gm.graph.inserting_before(mul):
+                    fused = gm.graph.call_function(torch.ops.gemma4opt.fp8_linear.default, (*lin.args, float(cap)))
+                self._finish(gm, fused, (mul, tanh, div, lin))
+                res.matched += 1
+                continue
             if op_name(lin) != "linear" or len(lin.users) != 1 or (len(lin.args) > 2 and lin.args[2] is not None):
                 res.unfused.append(f"{(innermost(tanh) or ('?',))[0]}: softcap input is not a bias-free linear")
                 continue
             with gm.graph.inserting_before(mul):
                 fused = gm.graph.call_function(torch.ops.gemma4opt.linear_softcap.default,
                                                (lin.args[0], lin.args[1], float(cap)))
-            fused.meta = dict(mul.meta)
-            mul.replace_all_uses_with(fused)
-            place([fused])
-            for n in (mul, tanh, div, lin):
-                gm.graph.erase_node(n)
+            self._finish(gm, fused, (mul, tanh, div, lin))
             res.matched += 1
         return res
+
+    @staticmethod
+    def _finish(gm, fused, old):
+        mul = old[0]
+        fused.meta = dict(mul.meta)
+        mul.replace_all_uses_with(fused)
+        place([fused])
+        for n in old:
+            gm.graph.erase_node(n)

@@ -52,8 +52,9 @@ class Pattern:
     paged_only: bool = False      # matches ops that exist only with attention="paged"
     quantized_only: bool = False  # matches ops that exist only with quantization="fp8"
 
-    def __init__(self, quantization: str | None = None):
+    def __init__(self, quantization: str | None = None, quantize_lm_head: bool = False):
         self.quantization = quantization      # Gemma4OptConfig.quantization: what the graph's linears are
+        self.quantize_lm_head = quantize_lm_head      # and whether the lm_head is one of them
 
     def expected(self, text_config, scope: str) -> int:
         """Matches a fully fused graph has, as a formula of the config (per captured graph)."""

@@ -5,11 +5,13 @@ nn.Linear keeps W) multiply in fp32 accumulators (each product of two e4m3 value
 and the scales — one per token (row of x) and one per output channel (row of W) — are applied once
 in the epilogue: y[m, n] = acc[m, n] * x_scale[m] * w_scale[n], cast to the output dtype.
 
-M == 1: an fp32 multiply-and-row-sum. 2 <= M <= 32: ``tl.dot`` on the fp8 tiles (Hopper's fp8
-warpgroup MMA, each instruction's partial promoted to the fp32 accumulator), W's rows as the dot's M side (SWAP) as in skinny_linear, K unsplit or split in 2
-or 4 (fp32 partials, summed in split order by a second kernel that applies the scales). The tile
-is autotuned per (N, K, row class) on the first call. ops/fp8_linear.py runs it for <= 32 rows
-and torch._scaled_mm above. Not used by optimize() yet.
+M == 1: an fp32 multiply-and-row-sum, or the tl.dot path below with the row padded to 16 (the
+autotuner picks per shape: the fp8 MMA takes e4m3 as it is, where a row sum converts every weight
+byte to fp32). 2 <= M <= 32: ``tl.dot`` on the fp8 tiles (Hopper's fp8 warpgroup MMA, each
+instruction's partial promoted to the fp32 accumulator), W's rows as the dot's M side (SWAP) as in
+skinny_linear, K unsplit or split in 2 or 4 (fp32 partials, summed in split order by a second kernel
+that applies the scales). The tile is autotuned per (N, K, row class) on the first call.
+ops/fp8_linear.py runs it for <= 32 rows where it timed faster than torch._scaled_mm.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import triton
 import triton.language as tl
 
 from gemma4opt.kernels._util import pdl_flags, pdl_prologue, rows_view
-from gemma4opt.kernels.skinny_linear import bench_short, row_dot_tile, tile_configs
+from gemma4opt.kernels.skinny_linear import _out, bench_short, row_dot_tile
 
 MAX_ROWS = 32
 # The interpreter (CPU tests) runs one config, a while loop for K, and fp32 dot tiles (as in
@@ -54,10 +56,10 @@ def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm,
 
 
 @triton.jit
-def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr = False,
-                       PDL: tl.constexpr = False):
+def _fp8_linear_body(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr,
+                     CAP: tl.constexpr):
     pdl_prologue(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
@@ -89,7 +91,7 @@ def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym,
     ws = tl.load(WS + n, mask=nmask, other=0.0)
     if BLOCK_M == 1:
         y = acc * tl.load(XS) * ws
-        tl.store(Y + n, y.to(Y.dtype.element_ty), mask=nmask)
+        tl.store(Y + n, _out(y, Y.dtype.element_ty, CAP), mask=nmask)
     else:
         xs = tl.load(XS + m, mask=mmask, other=0.0)
         if SWAP:        # acc is [BLOCK_N, BLOCK_M]
@@ -100,13 +102,24 @@ def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym,
             xs2, ws2 = xs[:, None], ws[None, :]
         omask = (mo < M) & (no < N)
         if SPLIT_K == 1:
-            tl.store(Y + mo * sym + no, (acc * xs2 * ws2).to(Y.dtype.element_ty), mask=omask)
+            tl.store(Y + mo * sym + no, _out(acc * xs2 * ws2, Y.dtype.element_ty, CAP), mask=omask)
         else:           # unscaled fp32 partial of split sk: P[sk, m, n], contiguous [SPLIT_K, M, N]
             tl.store(P + (sk * M + mo).to(tl.int64) * N + no, acc, mask=omask)
 
 
 @triton.jit
-def _split_sum_kernel(P, XS, WS, Y, M, N, sym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr = False,
+                       PDL: tl.constexpr = False, CAP: tl.constexpr = 0.0):
+    """One explicit tile (sweeps, tests, the interpreter)."""
+    _fp8_linear_body(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, COMPILED,
+                     SWAP, PDL, CAP)
+
+
+@triton.jit
+def _split_sum_kernel(P, XS, WS, Y, M, N, sym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                      CAP: tl.constexpr):
     """Y[m, n] = (sum over splits of P[s, m, n], in split order) * x_scale[m] * w_scale[n]."""
     pdl_prologue(PDL)
     m = tl.program_id(0)
@@ -116,15 +129,36 @@ def _split_sum_kernel(P, XS, WS, Y, M, N, sym, SPLIT_K: tl.constexpr, BLOCK: tl.
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(P + (s * M + m).to(tl.int64) * N + n, mask=nmask, other=0.0)
     y = acc * tl.load(XS + m) * tl.load(WS + n, mask=nmask, other=0.0)
-    tl.store(Y + m * sym + n, y.to(Y.dtype.element_ty), mask=nmask)
+    tl.store(Y + m * sym + n, _out(y, Y.dtype.element_ty, CAP), mask=nmask)
 
 
-# (BLOCK_N, BLOCK_K, warps, splits, stages, SWAP): skinny_linear's shapes with K tiles twice as long
-# (an fp8 tile of 128 is as many bytes as a bf16 tile of 64). Untimed on a GPU yet.
-_ROW_SUM = [(bn, bk, w, 1, 3, False) for bn in (4, 8, 16) for bk in (1024, 2048) for w in (4, 8)]
-_DOT = [(64, 128, 4, 1, 3, True), (64, 256, 4, 1, 3, True), (64, 128, 4, 1, 5, True), (128, 128, 8, 1, 3, True),
-        (128, 256, 8, 2, 3, True), (64, 256, 4, 2, 3, True), (64, 256, 4, 4, 3, True), (64, 128, 4, 4, 5, True)]
+# (BLOCK_N, BLOCK_K, warps, splits, stages): the row-sum tiles (one row) and the tl.dot tiles (W rows
+# as the dot's M side), from benchmarks/sweep_fp8_linear.py on an H200 (the 31b's and e4b's decode
+# GEMMs and lm_head, each call streaming its weight from HBM): each is among the five best of some
+# shape. At one row the dot tiles, the row padded to 16, beat the row sums on the 31b's o_proj, down
+# and q/k/v (sm_90 converts e4m3 to fp32 at a rate that caps a row sum near 3.7 TB/s; the MMA takes
+# e4m3 as it is), the row sums won the lm_head and the e4b's narrow GEMMs: both stay candidates.
+_ROW_SUM = [(8, 2048, 4, 1, 3), (16, 512, 4, 1, 3), (8, 512, 4, 1, 3), (4, 1024, 4, 1, 3), (4, 2048, 8, 1, 3),
+            (4, 2048, 4, 1, 3), (8, 2048, 8, 1, 3)]
+_DOT = [(64, 256, 4, 1, 3), (64, 256, 4, 1, 4), (128, 256, 8, 1, 4), (128, 128, 8, 1, 4), (64, 128, 4, 1, 4),
+        (64, 128, 4, 2, 3), (64, 256, 4, 2, 4), (64, 128, 4, 4, 4), (64, 256, 4, 4, 3), (64, 256, 4, 4, 4)]
 MAX_SPLIT = 4
+
+
+def _configs():
+    """Autotune configs, BLOCK_M among their parameters: 1 (row sum) or 16 for one row, 16 for 2-16
+    rows, 32 for 17-32, each row class's set picked by the prune below from the ROWS key."""
+    out = [triton.Config(dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, SWAP=False), num_warps=w, num_stages=st)
+           for bn, bk, w, _, st in _ROW_SUM]
+    out += [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, SWAP=True), num_warps=w, num_stages=st)
+            for bm in (16, 32) for bn, bk, w, sk, st in _DOT]
+    return out
+
+
+def _keep(configs, named_args, **kwargs):
+    rows = named_args["ROWS"]
+    want = (1, 16) if rows == 1 else (16,) if rows <= 16 else (32,)
+    return [c for c in configs if c.kwargs["BLOCK_M"] in want]
 
 
 def _sum_splits(nargs, exception=None):
@@ -133,18 +167,29 @@ def _sum_splits(nargs, exception=None):
     if exception is None and nargs["SPLIT_K"] > 1:
         M, N, y = nargs["M"], nargs["N"], nargs["Y"]
         _split_sum_kernel[(M, triton.cdiv(N, 512))](nargs["P"], nargs["XS"], nargs["WS"], y, M, N, y.stride(0),
-                                                     SPLIT_K=nargs["SPLIT_K"], BLOCK=512, **pdl_flags(y))
+                                                     SPLIT_K=nargs["SPLIT_K"], BLOCK=512, CAP=nargs.get("CAP", 0.0),
+                                                     **pdl_flags(y))
 
 
-_CONFIGS, _keep = tile_configs(_ROW_SUM, _DOT)
-_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M"], do_bench=bench_short, post_hook=_sum_splits,
-                         prune_configs_by={"early_config_prune": _keep})(_fp8_linear_kernel)
+@triton.jit
+def _fp8_linear_rows(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr = False,
+                     PDL: tl.constexpr = False, CAP: tl.constexpr = 0.0):
+    """The autotuned entry: ROWS (the row class, 1, 16 or 32) only keys the tuning."""
+    _fp8_linear_body(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, COMPILED,
+                     SWAP, PDL, CAP)
+
+
+_tuned = triton.autotune(configs=_configs(), key=["N", "K", "ROWS"], do_bench=bench_short, post_hook=_sum_splits,
+                         prune_configs_by={"early_config_prune": _keep})(_fp8_linear_rows)
 
 
 def fp8_linear_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
-                      out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
+                      out_dtype: torch.dtype, config: dict | None = None, cap: float | None = None) -> torch.Tensor:
     """x_fp8 [..., K] (at most MAX_ROWS rows) with fp32 scales [...], w_fp8 [N, K] (unit stride along
-    K) with fp32 scales [N] -> [..., N] in out_dtype. ``config`` runs one tile instead of the
+    K) with fp32 scales [N] -> [..., N] in out_dtype. With ``cap``, the logit softcap tanh(y / cap) * cap
+    as the epilogue (an fp8 lm_head), rounded as HF's eager code rounds. ``config`` runs one tile instead of the
     autotuned one: BLOCK_N, BLOCK_K, and optionally SPLIT_K, SWAP, num_warps, num_stages, and
     BLOCK_M (16 or 32 runs one row through the tl.dot path, padded and masked)."""
     x2 = rows_view(x_fp8)
@@ -168,14 +213,16 @@ def fp8_linear_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.T
             bm = config.pop("BLOCK_M")
             if bm not in (1, 16, 32) or bm < M:
                 raise ValueError(f"gemma4opt fp8_linear: BLOCK_M={bm} for {M} rows (1, 16 or 32, at least the rows)")
-        part = torch.empty(MAX_SPLIT * M * N if bm > 1 else 1, dtype=torch.float32, device=x_fp8.device)
+        # Room for the most splits (a one-row dot tile may split too).
+        part = torch.empty(MAX_SPLIT * M * N, dtype=torch.float32, device=x_fp8.device)
         args = (x2, xs, w_fp8, ws, y, part, M, N, K, x2.stride(0), w_fp8.stride(0), y.stride(0))
-        flags = dict(BLOCK_M=bm, COMPILED=_COMPILED, **pdl_flags(y))
+        flags = dict(BLOCK_M=bm, COMPILED=_COMPILED, CAP=float(cap or 0.0), **pdl_flags(y))
         if config is None and not _COMPILED:
             bn, split = (4, 1) if bm == 1 else (16, _INTERPRETER_SPLIT)
             config = dict(BLOCK_N=bn, BLOCK_K=32, SPLIT_K=split)
         if config is None:
-            _tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])](*args, **flags)
+            flags.pop("BLOCK_M")
+            _tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])](*args, bm, **flags)
             split = _tuned.best_config.kwargs["SPLIT_K"]
         else:
             meta = {**dict(SPLIT_K=1, SWAP=False, num_warps=4, num_stages=3), **config}
@@ -185,5 +232,5 @@ def fp8_linear_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.T
                                  f"SWAP needs 2+ rows)")
             meta.update(SPLIT_K=split)
             _fp8_linear_kernel[(triton.cdiv(N, meta["BLOCK_N"]), split)](*args, **meta, **flags)
-        _sum_splits(dict(P=part, XS=xs, WS=ws, Y=y, M=M, N=N, SPLIT_K=split))
+        _sum_splits(dict(P=part, XS=xs, WS=ws, Y=y, M=M, N=N, SPLIT_K=split, CAP=flags["CAP"]))
     return y.view(*x_fp8.shape[:-1], N)

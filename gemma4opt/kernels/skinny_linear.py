@@ -162,7 +162,7 @@ MAX_SPLIT = 4
 
 def tile_configs(row_sum: list[tuple], dot: list[tuple]):
     """Autotune configs from (BLOCK_N, BLOCK_K, warps, splits, stages, SWAP) tuples, and the prune
-    that keeps the row-sum path's configs for one row and tl.dot's for more (fp8_linear.py too)."""
+    that keeps the row-sum path's configs for one row and tl.dot's for more."""
     configs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "SWAP": swap}, num_warps=w, num_stages=st)
                for bn, bk, w, sk, st, swap in dict.fromkeys(row_sum + dot)]
 

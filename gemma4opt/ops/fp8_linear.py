@@ -1,14 +1,15 @@
 """gemma4opt::fp8_linear — an FP8 (e4m3) projection with per-token and per-channel scales.
 
     y = (x_fp8.float() * x_scale[..., None]) @ (w_fp8.float() * w_scale[:, None]).T   (fp32) -> out_dtype
+    y = tanh(y / cap) * cap                                   (cap > 0 only: an fp8 lm_head's softcap)
 
 x_fp8 [..., K] with fp32 x_scale [...] (one per token: ops/fp8.py's quantize_rows, or the fused
 *_quant ops), w_fp8 [N, K] with fp32 w_scale [N] (one per output channel: quantize_weight). The CPU
 path is the reference. On CUDA: torch._scaled_mm with row-wise scales (scale_a [rows, 1], scale_b
 [1, N]; it takes a bf16 output and K, N multiples of 16), except that up to ``MAX_ROWS`` rows
 (decode) each shape (rows, N, K, out dtype) runs kernels/fp8_linear.py's skinny Triton GEMM when it
-was faster on that shape's first call, timed cold in L2 against _scaled_mm (ops/pick.py, as
-ops/linear.py against cuBLAS); where _scaled_mm cannot run, the Triton GEMM, and above 32 rows the
+was faster on that shape's first call, timed as a decode step runs it (ops/pick.py's
+time_in_graph, as ops/linear.py against cuBLAS); where _scaled_mm cannot run, the Triton GEMM, and above 32 rows the
 reference. Optimize(quantization="fp8") uses it for every quantized projection.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from gemma4opt.ops.fp8 import fp8_linear_reference
-from gemma4opt.ops.pick import bench_cold, check_close
+from gemma4opt.ops.pick import check_close, time_in_graph
 from gemma4opt.ops.state import picks_api, picks_for
 
 MAX_ROWS = 32
@@ -27,12 +28,18 @@ picks, failures = picks_api("fp8_linear")
 
 @torch.library.custom_op("gemma4opt::fp8_linear", mutates_args=())
 def fp8_linear(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
-               out_dtype: torch.dtype) -> torch.Tensor:
-    return fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, out_dtype)
+               out_dtype: torch.dtype, cap: float = 0.0) -> torch.Tensor:
+    return softcapped(fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, out_dtype), cap)
+
+
+def softcapped(y: torch.Tensor, cap: float) -> torch.Tensor:
+    """With cap > 0 (an fp8 lm_head, patterns/logit_softcap.py), HF's final-logit softcap on the
+    GEMM's output in its dtype, as HF's eager code computes it (/, tanh, *)."""
+    return torch.tanh(y / cap) * cap if cap else y
 
 
 @fp8_linear.register_fake
-def _(x_fp8, x_scale, w_fp8, w_scale, out_dtype):
+def _(x_fp8, x_scale, w_fp8, w_scale, out_dtype, cap=0.0):
     return torch.empty((*x_fp8.shape[:-1], w_fp8.shape[0]), dtype=out_dtype, device=x_fp8.device)
 
 
@@ -52,7 +59,8 @@ def _time_both(x_fp8, x_scale, w_fp8, w_scale, out_dtype) -> tuple[float, float]
         return scaled_mm(x_fp8, x_scale, w_fp8, w_scale, out_dtype)
 
     check_close(triton(), cublas(), what="skinny fp8 Triton GEMM", other="torch._scaled_mm")
-    return bench_cold(triton), bench_cold(cublas)
+    return time_in_graph(lambda w: fp8_linear_triton(x_fp8, x_scale, w, w_scale, out_dtype),
+                         lambda w: scaled_mm(x_fp8, x_scale, w, w_scale, out_dtype), w_fp8)
 
 
 def runs_triton(x_fp8, w_fp8, x_scale=None, w_scale=None, out_dtype=torch.bfloat16) -> bool:
@@ -83,11 +91,16 @@ def scaled_mm(x_fp8, x_scale, w_fp8, w_scale, out_dtype):
 
 
 @fp8_linear.register_kernel("cuda")
-def _(x_fp8, x_scale, w_fp8, w_scale, out_dtype):
+def _(x_fp8, x_scale, w_fp8, w_scale, out_dtype, cap=0.0):
     if runs_triton(x_fp8, w_fp8, x_scale, w_scale, out_dtype):
         from gemma4opt.kernels.fp8_linear import fp8_linear_triton
 
-        return fp8_linear_triton(x_fp8, x_scale, w_fp8, w_scale, out_dtype)
+        return fp8_linear_triton(x_fp8, x_scale, w_fp8, w_scale, out_dtype, cap=cap)
     if runs_scaled_mm(x_fp8, w_fp8, out_dtype):
-        return scaled_mm(x_fp8, x_scale, w_fp8, w_scale, out_dtype)
-    return fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, out_dtype)
+        y = scaled_mm(x_fp8, x_scale, w_fp8, w_scale, out_dtype)
+        if cap:
+            from gemma4opt.kernels.softcap import softcap_
+
+            y = softcap_(y.contiguous(), cap)
+        return y
+    return softcapped(fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, out_dtype), cap)

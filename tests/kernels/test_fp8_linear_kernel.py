@@ -48,7 +48,7 @@ from triton.compiler import ASTSource
 from gemma4opt.kernels.fp8_linear import _fp8_linear_kernel
 sig = dict(X="*fp8e4nv", XS="*fp32", W="*fp8e4nv", WS="*fp32", Y="*bf16", P="*fp32", M="i32", N="i32", K="i32",
            sxm="i32", swn="i32", sym="i32")
-consts = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, COMPILED=True, SWAP=True, PDL=False)
+consts = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, COMPILED=True, SWAP=True, PDL=False, CAP=0.0)
 sig.update({k: "constexpr" for k in consts})
 try:
     kernel = triton.compile(ASTSource(fn=_fp8_linear_kernel, signature=sig, constexprs=consts),
@@ -112,6 +112,22 @@ def test_one_row_through_the_dot_path(block_m, split):
     xq, xs, wq, ws = _operands(1, 70, 200, seed=block_m + split)
     cfg = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32, SPLIT_K=split, SWAP=True)
     close(fp8_linear_triton(xq, xs, wq, ws, torch.bfloat16, cfg), xq, xs, wq, ws, torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows,config", [(1, None), (1, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, SPLIT_K=2, SWAP=True)),
+                                         (5, None)])
+def test_softcap_epilogue(rows, config):
+    """An fp8 lm_head's softcap as the epilogue (and in the split sum): the op's reference, the bf16
+    logits through HF's /, tanh, * (here on logits scaled up so the cap bends them)."""
+    from gemma4opt.ops.fp8_linear import softcapped
+
+    xq, xs, wq, ws = _operands(rows, 70, 200, seed=7)
+    xs = xs * 40
+    got = fp8_linear_triton(xq, xs, wq, ws, torch.bfloat16, config, cap=30.0)
+    want = softcapped(fp8_linear_reference(xq, xs, wq, ws, torch.bfloat16), 30.0)
+    assert want.abs().max() > 20, "the cap does not bend these logits"
+    # one bf16 ulp of a logit near the cap is 0.125: the sum order may move the rounding by one
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=0.25)
 
 
 def test_zero_rows_and_channels():
