@@ -5,7 +5,8 @@
 Systems, each the same model's attention and dense-MLP projections and MoE experts in fp8 (lm_head,
 router, PLE kept), over ``--batch x --seq`` random tokens (>= 512 positions):
 - ``gemma4opt-fp8``: ``optimize(model, Gemma4OptConfig(quantization="fp8"))`` (fused quantizing
-  producers, the fp8 GEMMs);
+  producers, the fp8 GEMMs); ``gemma4opt-fp8-head``: and ``quantize_lm_head=True`` (the lm_head in
+  fp8 too, one scale per vocabulary row; not a default system);
 - ``fp8-reference``: the same weights swapped by ops/fp8_weights.py and run by HF's eager forward
   (per-channel weight scales, per-token activation scales, fp32 GEMM: the semantics gemma4opt fuses;
   experts weight-only, per (expert, row) scales);
@@ -112,7 +113,7 @@ def main(argv=None):
     ap.add_argument("--block", type=int, default=128, help="FineGrainedFP8's block (128; smaller for tiny presets)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--systems", nargs="+", default=["hf-finegrained-fp8", "fp8-reference", "gemma4opt-fp8"],
-                    choices=["hf-finegrained-fp8", "fp8-reference", "gemma4opt-fp8"])
+                    choices=["hf-finegrained-fp8", "fp8-reference", "gemma4opt-fp8", "gemma4opt-fp8-head"])
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                     help="the reference model's dtype (default: bfloat16 on CUDA, float32 elsewhere)")
     ap.add_argument("--json", default=None)
@@ -133,8 +134,9 @@ def main(argv=None):
     for i, system in enumerate(args.systems):
         # The last system quantizes the model itself: at most one copy is alive (full 31b: 62 GB each).
         m = model if i == len(args.systems) - 1 else copy.deepcopy(model)
-        if system == "gemma4opt-fp8":
-            gemma4opt.optimize(m, gemma4opt.Gemma4OptConfig(quantization="fp8"))
+        if system in ("gemma4opt-fp8", "gemma4opt-fp8-head"):
+            gemma4opt.optimize(m, gemma4opt.Gemma4OptConfig(quantization="fp8",
+                                                             quantize_lm_head=system == "gemma4opt-fp8-head"))
         elif system == "fp8-reference":
             quantize_linears(m)
         else:

@@ -84,10 +84,16 @@ def runs_scaled_mm(x_fp8, w_fp8, out_dtype) -> bool:
 def scaled_mm(x_fp8, x_scale, w_fp8, w_scale, out_dtype):
     """torch._scaled_mm with one scale per row of x and per row of W (W^T column-major, as it needs)."""
     K, N = x_fp8.shape[-1], w_fp8.shape[0]
-    x2 = x_fp8.reshape(-1, K).contiguous()
-    y = torch._scaled_mm(x2, w_fp8.contiguous().t(), scale_a=x_scale.reshape(-1, 1).float().contiguous(),
-                         scale_b=w_scale.reshape(1, N).float().contiguous(), out_dtype=out_dtype)
+    # cuBLASLt refuses (NOT_SUPPORTED) operands and scales that do not start on 16 bytes: the last
+    # row of a prefill (logits_to_keep=1) is a view into its quantized rows and their scales.
+    x2 = _aligned(x_fp8.reshape(-1, K).contiguous())
+    y = torch._scaled_mm(x2, w_fp8.contiguous().t(), scale_a=_aligned(x_scale.reshape(-1, 1).float().contiguous()),
+                         scale_b=_aligned(w_scale.reshape(1, N).float().contiguous()), out_dtype=out_dtype)
     return y.view(*x_fp8.shape[:-1], N)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 @fp8_linear.register_kernel("cuda")
