@@ -14,6 +14,7 @@ import argparse
 import copy
 import gc
 import json
+import signal
 import os
 import signal
 import sys
@@ -247,6 +248,8 @@ def main(argv=None):
     args.command = "python3 benchmarks/bench_generate.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(HEADER, flush=True)
     rows, results = [], {b: {} for b in args.batch}
+    # A time limit's SIGTERM as SystemExit: the finally below still writes the rows measured so far.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         for i, system in enumerate(args.systems):
             _run_system(args, model, i, system, prompts, roof, rows, results, cfg)
