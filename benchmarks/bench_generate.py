@@ -14,7 +14,6 @@ import argparse
 import copy
 import gc
 import json
-import signal
 import os
 import signal
 import sys
