@@ -61,6 +61,8 @@
 #   fp8-head   the fp8 GEMM kernel and op tests with the fp8 lm_head's (limit 70 s), then the 31b x 12 at batch
 #              1 and 32: the one-liner in bf16, with fp8 weights, with fp8 weights and lm_head, HF static cache +
 #              torch.compile, HF eager (limit 480 s).
+#   fp8-presets  e4b, then 26b-a4b, at batch 1: the one-liner in bf16, with fp8 weights, with fp8 weights and
+#              lm_head (limit 230 s each).
 #   speed-31b-full  the 60-layer 31b at batch 1, same systems (limit 590 s; 62 GB, no model copies).
 #   tp         on nvidia-h200-x2 only: tests/gpu/test_gpu_tensor_parallel.py (two ranks over NCCL, every
 #              tiny variant, CUDA graphs capturing the all-reduces; limit 300 s), then bench_tp.py under
@@ -198,6 +200,10 @@ for s in "$@"; do
             -k "one_row or softcap or lm_head or both_branches"
       stage fp8-head-31b 480 $GEN 31b --layers 12 --batch 1 32 --systems gemma4opt-fp8-head gemma4opt-fp8 gemma4opt \
             static_compile eager --json "$OUT/generate.jsonl" ;;
+    fp8-presets)
+      stage fp8-e4b 230 $GEN e4b --batch 1 --systems gemma4opt gemma4opt-fp8 gemma4opt-fp8-head --json "$OUT/generate.jsonl"
+      stage fp8-26b-a4b 230 $GEN 26b-a4b --batch 1 --systems gemma4opt gemma4opt-fp8 gemma4opt-fp8-head \
+            --json "$OUT/generate.jsonl" ;;
     moe-e2b-ab)
       # No FlashInfer JIT (a fresh machine's ~140 s): the MoE decode kernels and norm_add compiled against
       # their references; the 26b-a4b's MoE decode op on this checkout and .baseline's (CUDA-graph
