@@ -6,7 +6,7 @@
 One JSON-lines file per suite, every row carrying its run id, the commit that recorded it, the
 machine and the command that measured it: generate_<machine>.jsonl (bench_generate.py),
 kernels_<machine>.jsonl (bench_kernels.py), attention_<machine>.jsonl (bench_attention.py),
-sweeps_<machine>.jsonl (launch-configuration sweeps); profile_<machine>.txt is profile_decode.py's
+sweeps_<machine>.jsonl (launch-configuration sweeps), fp8_linear_sweeps_<machine>.jsonl (sweep_fp8_linear.py); profile_<machine>.txt is profile_decode.py's
 printout. Ratios compare rows of the same run, same batch and prompt only.
 """
 from __future__ import annotations
@@ -175,6 +175,21 @@ def sweeps_section(rows):
                    f"{r['default_us'] / r['best_us']:.2f}×"])
 
 
+def fp8_linear_sweeps_section(rows):
+    return _table_section(
+        "fp8 GEMM tiles", "The skinny fp8 GEMM's tiles on a preset's decode GEMMs and lm_head (sweep_fp8_linear.py), each "
+        "call streaming its weight from HBM (calls back to back in a CUDA graph, on copies of the weight twice the "
+        "L2): the bf16 GEMM of the same shape on cuBLAS, torch._scaled_mm with row-wise scales, the tile the "
+        "autotuner chose when the sweep ran, and the best tile, with its weight stream in GB/s. `BLOCK_M` 16 at one "
+        "row is the tensor-core tile with the row padded.", rows,
+        ["preset", "M", "GEMM", "N × K", "bf16 cuBLAS µs", "_scaled_mm µs", "autotuned µs", "best µs", "GB/s",
+         "best tile"],
+        ["---", "---:", "---", "---", "---:", "---:", "---:", "---:", "---:", "---"],
+        lambda r: [r["preset"], str(r["M"]), r["op"], f"{r['N']} × {r['K']}", _f(r["bf16_cublas_us"]),
+                   _f(r["scaled_mm_us"]), _f(r["autotuned_us"]), _f(r["best_us"][0] if r["best_us"] else None),
+                   _f(r["gb_s_best"], "{:.0f}"), "`" + (r["best"][0] if r["best"] else "—") + "`"])
+
+
 def profile_section():
     out = ["## profile", ""]
     for path in sorted(glob.glob(os.path.join(RESULTS, "profile_*.txt"))):
@@ -201,6 +216,7 @@ def render() -> str:
     lines += attention_section(_rows("attention_*.jsonl"))
     lines += fp8_quality_section(_rows("fp8_quality_*.jsonl"))
     lines += sweeps_section(_rows("sweeps_*.jsonl"))
+    lines += fp8_linear_sweeps_section(_rows("fp8_linear_sweeps_*.jsonl"))
     lines += profile_section()
     return "\n".join(lines).rstrip() + "\n"
 

@@ -278,6 +278,7 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
         state.quantized = quantize_linears(target, drop_attrs=(MERGED_ATTR,))
         if cfg.quantize_lm_head:
             state.quantized.update(quantize_lm_head(model))
+        edits.forget_modules_outside(model)       # the swapped-out bf16 modules go, with their weights
         edits.set(model, "save_pretrained", _refuse_save)
     for p in enabled:
         p.prepare(target, text_config)

@@ -20,6 +20,15 @@ class InstanceEdits:
         self._undo.append((obj, name, obj.__dict__.get(name, _MISSING)))
         setattr(obj, name, value)
 
+    def forget_modules_outside(self, root) -> None:
+        """Drop the records of modules no longer in ``root`` (swapped out for good, as quantization
+        swaps its projections and experts): reverting them would change nothing the model reaches, and
+        holding them would keep their weights in memory (the 26b-a4b's bf16 experts: 46 GB)."""
+        import torch
+
+        inside = {id(m) for m in root.modules()}
+        self._undo = [r for r in self._undo if not isinstance(r[0], torch.nn.Module) or id(r[0]) in inside]
+
     def revert(self) -> None:
         """Put back every attribute in reverse order of setting."""
         while self._undo:

@@ -159,3 +159,21 @@ def test_experts_forward_hooks_move_to_the_fp8_module():
     with torch.no_grad():
         model(prompt(1, 4))
     assert seen == ["Fp8Experts"]
+
+
+@pytest.mark.parametrize("attention", ["hf", "paged"])
+def test_the_swapped_out_bf16_modules_are_freed(attention):
+    """optimize() records every attribute it sets to revert it; records of modules the swap took out
+    of the model (the experts held a config copy) must not keep them, and their bf16 weights, alive."""
+    import gc
+    import weakref
+
+    model = tiny("tiny-moe")
+    old = [weakref.ref(m) for m in model.modules() if type(m).__name__ == "Gemma4TextExperts"]
+    old += [weakref.ref(getattr(m, n)) for m in model.modules() for n in QUANTIZED_BLOCKS.get(type(m).__name__, ())
+            if getattr(m, n, None) is not None]
+    assert old
+    gemma4opt.optimize(model, gemma4opt.Gemma4OptConfig(quantization="fp8", attention=attention))
+    _generate(model, prompt(1, 5), 2)
+    gc.collect()
+    assert [r() for r in old if r() is not None] == []
