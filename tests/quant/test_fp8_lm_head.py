@@ -10,13 +10,9 @@ import gemma4opt
 from gemma4opt.ops.fp8 import FP8_DTYPE, quantize_weight_reference
 from gemma4opt.ops.fp8_weights import Fp8Linear, quantize_linears, quantize_lm_head
 from tests.models import VARIANTS, prompt, tiny
+from tests.models import greedy as _generate
 
 FP8_HEAD = dict(quantization="fp8", quantize_lm_head=True)
-
-
-def _generate(model, ids, new=8):
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
 
 
 def _reference(model):

@@ -10,13 +10,9 @@ import gemma4opt
 from gemma4opt.ops.fp8 import FP8_DTYPE, quantize_weight_reference
 from gemma4opt.ops.fp8_weights import QUANTIZED_BLOCKS, Fp8Experts, Fp8Linear, fp8_experts, fp8_linears, quantize_linears
 from tests.models import VARIANTS, prompt, tiny
+from tests.models import greedy as _generate
 
 FP8 = gemma4opt.Gemma4OptConfig(quantization="fp8")
-
-
-def _generate(model, ids, new=8):
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
 
 
 def _reference(model):
