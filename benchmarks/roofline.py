@@ -32,7 +32,9 @@ def weight_bytes_per_step(model, batch: int) -> int:
     # Fp8Linear / Fp8Experts modules.
     fp8 = [(n, b) for n, b in model.named_buffers() if _is_fp8_module(model, n)]
     # quantize_lm_head=True: the lm_head streams its fp8 copy, the bf16 table only gives the tokens' rows.
-    table = model.get_input_embeddings().weight if _fp8_head(model) else None
+    from gemma4opt.ops.fp8_weights import fp8_lm_head
+
+    table = model.get_input_embeddings().weight if fp8_lm_head(model) else None
     for name, p in [*model.named_parameters(), *fp8]:
         nbytes = p.numel() * p.element_size()
         if "embed_tokens_per_layer" in name or p is table:
@@ -42,12 +44,6 @@ def weight_bytes_per_step(model, batch: int) -> int:
             nbytes = int(nbytes * (1 - (1 - k / e) ** batch))
         total += nbytes
     return total
-
-
-def _fp8_head(model) -> bool:
-    from gemma4opt.ops.fp8_weights import Fp8Linear
-
-    return isinstance(getattr(model, "get_output_embeddings", lambda: None)(), Fp8Linear)
 
 
 def _is_fp8_module(model, buffer_name: str) -> bool:

@@ -19,7 +19,8 @@ from gemma4opt.compiler.pattern import PassContext
 from gemma4opt.config import Gemma4OptConfig, choose_attention
 from gemma4opt.edits import InstanceEdits, own_configs
 from gemma4opt.fixed_tensors import FixedTensors
-from gemma4opt.ops.fp8_weights import Fp8Linear, foreign_projections, fp8_linears, quantize_lm_head, quantize_linears
+from gemma4opt.ops.fp8_weights import (foreign_projections, fp8_linears, fp8_lm_head, quantize_linears,
+                                        quantize_lm_head)
 from gemma4opt.ops.state import OpState, active
 from gemma4opt.paged.forward import is_paged, paged_forward
 from gemma4opt.paged.install import check_paged_supported, install_paged
@@ -169,8 +170,7 @@ def _check_not_unquantizing(model, target, config: Gemma4OptConfig) -> None:
         raise ValueError("gemma4opt.optimize: this model's linears were quantized to fp8 by an earlier "
                          "optimize(..., Gemma4OptConfig(quantization='fp8')) and its bf16 weights are gone; "
                          "keep quantization='fp8', or load the model again for bf16")
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    if not config.quantize_lm_head and isinstance(head, Fp8Linear):
+    if not config.quantize_lm_head and fp8_lm_head(model):
         raise ValueError("gemma4opt.optimize: this model's lm_head was quantized to fp8 by an earlier "
                          "optimize(..., Gemma4OptConfig(quantization='fp8', quantize_lm_head=True)); keep "
                          "quantize_lm_head=True, or load the model again for a bf16 lm_head")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gemma4opt.api import get_state
-from gemma4opt.ops.fp8_weights import Fp8Linear, foreign_projections, fp8_experts, fp8_linears
+from gemma4opt.ops.fp8_weights import foreign_projections, fp8_experts, fp8_linears, fp8_lm_head
 from gemma4opt.ops.state import OpState
 from gemma4opt.patterns.paged_qkv import ATTENTION_OPS
 
@@ -160,7 +160,7 @@ def _fp8_weights(model, state, device: str) -> str:
     if state.config.quantization != "fp8":
         return ""
     mods = fp8_linears(model)
-    head = isinstance(getattr(model, "get_output_embeddings", lambda: None)(), Fp8Linear)
+    head = fp8_lm_head(model)
     experts = fp8_experts(model)
     n = sum(m.weight.numel() for m in mods) + sum(m.gate_up_proj.numel() + m.down_proj.numel() for m in experts)
     scales = sum(m.weight_scale.numel() for m in mods) + sum(

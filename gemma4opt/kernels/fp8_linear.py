@@ -56,10 +56,11 @@ def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm,
 
 
 @triton.jit
-def _fp8_linear_body(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr,
-                     CAP: tl.constexpr):
+def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr = False,
+                       PDL: tl.constexpr = False, CAP: tl.constexpr = 0.0):
+    # ROWS (the row class: 1, 16 or 32) is not read: it keys the autotuner's choice per class.
     pdl_prologue(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
@@ -105,16 +106,6 @@ def _fp8_linear_body(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym,
             tl.store(Y + mo * sym + no, _out(acc * xs2 * ws2, Y.dtype.element_ty, CAP), mask=omask)
         else:           # unscaled fp32 partial of split sk: P[sk, m, n], contiguous [SPLIT_K, M, N]
             tl.store(P + (sk * M + mo).to(tl.int64) * N + no, acc, mask=omask)
-
-
-@triton.jit
-def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr = False,
-                       PDL: tl.constexpr = False, CAP: tl.constexpr = 0.0):
-    """One explicit tile (sweeps, tests, the interpreter)."""
-    _fp8_linear_body(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, COMPILED,
-                     SWAP, PDL, CAP)
 
 
 @triton.jit
@@ -171,18 +162,8 @@ def _sum_splits(nargs, exception=None):
                                                      **pdl_flags(y))
 
 
-@triton.jit
-def _fp8_linear_rows(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr = False,
-                     PDL: tl.constexpr = False, CAP: tl.constexpr = 0.0):
-    """The autotuned entry: ROWS (the row class, 1, 16 or 32) only keys the tuning."""
-    _fp8_linear_body(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, COMPILED,
-                     SWAP, PDL, CAP)
-
-
 _tuned = triton.autotune(configs=_configs(), key=["N", "K", "ROWS"], do_bench=bench_short, post_hook=_sum_splits,
-                         prune_configs_by={"early_config_prune": _keep})(_fp8_linear_rows)
+                         prune_configs_by={"early_config_prune": _keep})(_fp8_linear_kernel)
 
 
 def fp8_linear_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
@@ -215,14 +196,13 @@ def fp8_linear_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.T
                 raise ValueError(f"gemma4opt fp8_linear: BLOCK_M={bm} for {M} rows (1, 16 or 32, at least the rows)")
         # Room for the most splits (a one-row dot tile may split too).
         part = torch.empty(MAX_SPLIT * M * N, dtype=torch.float32, device=x_fp8.device)
-        args = (x2, xs, w_fp8, ws, y, part, M, N, K, x2.stride(0), w_fp8.stride(0), y.stride(0))
-        flags = dict(BLOCK_M=bm, COMPILED=_COMPILED, CAP=float(cap or 0.0), **pdl_flags(y))
+        args = (x2, xs, w_fp8, ws, y, part, M, N, K, x2.stride(0), w_fp8.stride(0), y.stride(0), bm)
+        flags = dict(COMPILED=_COMPILED, CAP=float(cap or 0.0), **pdl_flags(y))
         if config is None and not _COMPILED:
             bn, split = (4, 1) if bm == 1 else (16, _INTERPRETER_SPLIT)
             config = dict(BLOCK_N=bn, BLOCK_K=32, SPLIT_K=split)
         if config is None:
-            flags.pop("BLOCK_M")
-            _tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])](*args, bm, **flags)
+            _tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])](*args, **flags)
             split = _tuned.best_config.kwargs["SPLIT_K"]
         else:
             meta = {**dict(SPLIT_K=1, SWAP=False, num_warps=4, num_stages=3), **config}
@@ -230,7 +210,7 @@ def fp8_linear_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.T
             if split > MAX_SPLIT or (meta["SWAP"] and bm == 1):
                 raise ValueError(f"gemma4opt fp8_linear: config {config} (at most {MAX_SPLIT} splits; "
                                  f"SWAP needs 2+ rows)")
-            meta.update(SPLIT_K=split)
+            meta.update(SPLIT_K=split, BLOCK_M=bm)
             _fp8_linear_kernel[(triton.cdiv(N, meta["BLOCK_N"]), split)](*args, **meta, **flags)
         _sum_splits(dict(P=part, XS=xs, WS=ws, Y=y, M=M, N=N, SPLIT_K=split, CAP=flags["CAP"]))
     return y.view(*x_fp8.shape[:-1], N)

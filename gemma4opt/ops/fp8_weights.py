@@ -158,15 +158,18 @@ def quantize_lm_head(model: torch.nn.Module) -> dict[str, int]:
     """Swap the model's output embeddings (the lm_head) for an Fp8Linear, the bf16 weight left to
     the embedding table it is tied to (the token lookup reads it). {"Fp8Linear lm_head": 1}, or
     {"skipped: lm_head, <why>": 1}."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if get is not None else None
-    why = "the model has no output embeddings" if head is None else None if isinstance(head, Fp8Linear) \
-        else _unsupported(head)
-    if why:
-        return {f"skipped: lm_head, {why}": 1}
-    if not isinstance(head, Fp8Linear):
+    if not fp8_lm_head(model):
+        head = getattr(model, "get_output_embeddings", lambda: None)()
+        why = "the model has no output embeddings" if head is None else _unsupported(head)
+        if why:
+            return {f"skipped: lm_head, {why}": 1}
         model.set_output_embeddings(Fp8Linear.from_linear(head))
     return {"Fp8Linear lm_head": 1}
+
+
+def fp8_lm_head(model: torch.nn.Module) -> bool:
+    """Whether the model's lm_head is an Fp8Linear (quantize_lm_head=True)."""
+    return isinstance(getattr(model, "get_output_embeddings", lambda: None)(), Fp8Linear)
 
 
 def _unsupported(lin) -> str | None:

@@ -47,7 +47,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from gemma4opt.kernels.fp8_linear import _fp8_linear_kernel
 sig = dict(X="*fp8e4nv", XS="*fp32", W="*fp8e4nv", WS="*fp32", Y="*bf16", P="*fp32", M="i32", N="i32", K="i32",
-           sxm="i32", swn="i32", sym="i32")
+           sxm="i32", swn="i32", sym="i32", ROWS="i32")
 consts = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, COMPILED=True, SWAP=True, PDL=False, CAP=0.0)
 sig.update({k: "constexpr" for k in consts})
 try:
@@ -159,3 +159,32 @@ def test_refuses_what_it_cannot_run_and_empty_inputs():
     with pytest.raises(ValueError, match="BLOCK_M=16 for 32 rows"):
         fp8_linear_triton(*_operands(MAX_ROWS, 8, 32), torch.bfloat16, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32))
     assert fp8_linear_triton(xq[:0], xs[:0], wq, ws, torch.bfloat16).shape == (0, 8)
+
+
+@pytest.mark.parametrize("rows,classes", [(1, {1, 16}), (9, {16}), (MAX_ROWS, {32})])
+def test_autotuned_launch_binds_every_parameter_and_tunes_per_row_class(monkeypatch, rows, classes):
+    """The autotuned entry, with the kernel launch and its timing replaced (they need a GPU): every
+    candidate and the final launch bind each kernel parameter, ROWS keys the row class, and the
+    candidates are that class's tiles (one row: the row sums and the tensor-core tiles padded to 16)."""
+    import inspect
+
+    from gemma4opt.kernels import fp8_linear as k
+
+    params = inspect.signature(k._fp8_linear_kernel.fn).parameters
+    required = {n for n, p in params.items() if p.default is inspect.Parameter.empty}
+    launches = []
+
+    def fake_run(*args, **kwargs):
+        bound = dict(zip(params, args), **{n: v for n, v in kwargs.items() if n in params})
+        assert required <= set(bound), sorted(required - set(bound))
+        launches.append(bound)
+
+    monkeypatch.setattr(k, "_COMPILED", True)
+    monkeypatch.setattr(k._tuned, "cache", {})
+    monkeypatch.setattr(k._tuned.fn, "run", fake_run)
+    monkeypatch.setattr(k._tuned, "do_bench", lambda fn, quantiles=None: (fn(), 1.0)[1])
+    xq, xs, wq, ws = _operands(rows, 40, 72)
+    fp8_linear_triton(xq, xs, wq, ws, torch.bfloat16)
+    assert {b["ROWS"] for b in launches} == {1 if rows == 1 else 16 if rows <= 16 else 32}
+    assert {b["BLOCK_M"] for b in launches[:-1]} == classes
+    assert len(launches) == 1 + sum(c.kwargs["BLOCK_M"] in classes for c in k._tuned.configs)
