@@ -74,6 +74,9 @@
 #   attention  bench_attention.py: the Triton decode kernel and FlashInfer's decode over paged KV,
 #              both attention kinds, batch 1-64, context 160-4096 (limit 300 s), and the host work of
 #              a decode step (bench_plan.py --begin-step, limit 120 s).
+#   profile-layers  profile_decode.py at batch 1, PDL off, every kernel of one step in order: the 31b x 12
+#              with fp8 weights and lm_head (200 s), the e4b in bf16 (170 s); then the 31b x 12 bf16 one-liner
+#              with its timed GEMM picks against every decode GEMM on Triton (200 s).
 #   profile    profile_decode.py on the 31b x 12, paged mode, batch 1 and 32: device time per decode
 #              step by kernel category (limits 240 / 330 s).
 #
@@ -244,12 +247,21 @@ for s in "$@"; do
       stage profile-1 240 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --attention paged
       stage profile-32 330 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --batch 32 \
             --attention paged ;;
+    profile-layers)
+      # Kernel by kernel, in order, one decode step at batch 1 with programmatic dependent launch off
+      # (with it on, a kernel starts early and waits, so its profiled time includes its producer's).
+      GEMMA4OPT_PDL=0 stage profile-31b-fp8 200 python3 benchmarks/profile_decode.py --preset 31b --layers 12 \
+            --new 16 --attention paged --quantization fp8 --quantize-lm-head --per-category 30
+      GEMMA4OPT_PDL=0 stage profile-e4b 170 python3 benchmarks/profile_decode.py --preset e4b --new 16 \
+            --attention paged --per-category 30
+      stage bf16-picks-31b 200 $GEN 31b --layers 12 --batch 1 --systems gemma4opt gemma4opt-triton-gemms \
+            --json "$OUT/generate.jsonl" ;;
     features)
       MAX_JOBS=16 stage features-tests 300 $PYTEST -s tests/gpu/test_gpu_features.py
       stage features-assisted 420 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b --profile \
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers)" ;;
   esac
 done

@@ -97,6 +97,12 @@ def idle_gaps(prof, launches_per_step: float, steps: int, top=12):
         got[0] += gap
         got[1] += 1
     idle = sum(buckets.values())
+    last = ks[-int(launches_per_step):]
+    print(f"the last decode step in order ({len(last)} kernels): gap before (us), duration (us), kernel")
+    end = last[0].time_range.start
+    for k in last:
+        print(f"  {k.time_range.start - end:6.1f} {k.time_range.end - k.time_range.start:7.1f}  {k.name[:100]}")
+        end = max(end, k.time_range.end)
     print(f"device timeline over the last {steps} decode steps: {span / steps:.1f} us per step, "
           f"idle {idle / steps:.1f} us per step ({idle / span:.1%}); idle by gap size per step: "
           + ", ".join(f"{k} {v / steps:.1f}" for k, v in buckets.items()))
@@ -114,6 +120,7 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--inductor", type=int, default=None, choices=[0, 1])
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--per-category", type=int, default=8, help="kernels listed per category")
     ap.add_argument("--attention", default="hf", choices=["hf", "paged"])
     ap.add_argument("--quantization", default=None, choices=["fp8"])
     ap.add_argument("--quantize-lm-head", action="store_true")
@@ -159,7 +166,7 @@ def main(argv=None):
         torch.cuda.synchronize()
     steps = max(args.new - 1, 1)
     per_step = subtract(device_kernels(avgs), device_kernels(prefill.key_averages()))
-    print_categories(per_step, steps, "decode step")
+    print_categories(per_step, steps, "decode step", top=args.per_category)
     idle_gaps(prof, sum(n for _, n in per_step.values()) / steps, steps // 2)
     print("small host-launched ops by input shape (calls, device us in all): which tensors the copies move")
     for e in prof.key_averages(group_by_input_shape=True):
