@@ -254,7 +254,7 @@ for s in "$@"; do
             --new 16 --attention paged --quantization fp8 --quantize-lm-head --per-category 30
       GEMMA4OPT_PDL=0 stage profile-e4b 170 python3 benchmarks/profile_decode.py --preset e4b --new 16 \
             --attention paged --per-category 30
-      stage bf16-picks-31b 200 $GEN 31b --layers 12 --batch 1 --systems gemma4opt gemma4opt-triton-gemms \
+      stage bf16-picks-31b 180 $GEN 31b --layers 12 --batch 1 --systems gemma4opt gemma4opt-triton-gemms \
             --json "$OUT/generate.jsonl" ;;
     features)
       MAX_JOBS=16 stage features-tests 300 $PYTEST -s tests/gpu/test_gpu_features.py
