@@ -117,21 +117,23 @@ def test_add_rms_norm_quant(dtype, shape, with_scale):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("max_block", [8192, 32])    # 32: rows of 40-200 in 2-7 chunks, two passes
-def test_gelu_tanh_mul_quant(dtype, shape, max_block):
+@pytest.mark.parametrize("max_block,split", [(8192, 0), (32, 0), (8192, 16), (8192, 64)])
+def test_gelu_tanh_mul_quant(dtype, shape, max_block, split):
+    """max_block 32: rows of 40-200 in 2-7 chunks, two passes; split: rows over programs of 16 or 64
+    columns (one to 13 per row, the last partly masked), two launches."""
     g, u = _x(shape, dtype), _x(shape, dtype, 1.0, 1)
-    q, s = gelu_tanh_mul_quant_triton(g, u, max_block=max_block)
+    q, s = gelu_tanh_mul_quant_triton(g, u, max_block=max_block, split=split)
     assert q.shape == g.shape and s.shape == g.shape[:-1]
     check(q, s, gelu_tanh_mul_triton(g, u), gelu_tanh_mul_reference(g, u))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("max_block", [8192, 32])
-def test_quantize_rows_equals_the_reference(dtype, shape, max_block):
+@pytest.mark.parametrize("max_block,split", [(8192, 0), (32, 0), (8192, 16)])
+def test_quantize_rows_equals_the_reference(dtype, shape, max_block, split):
     """Quantizing on its own has no producer to round: the bytes and scales equal the reference's."""
     x = _x(shape, dtype)
-    q, s = quantize_rows_triton(x, max_block=max_block)
+    q, s = quantize_rows_triton(x, max_block=max_block, split=split)
     eq, es = quantize_rows_reference(x)
     same_bytes(q, eq)
     assert torch.equal(s, es)
@@ -147,8 +149,23 @@ def test_gelu_reads_halves_of_a_merged_gemm_output():
     gu = _x((3, 2 * 200), torch.bfloat16)
     g, u = gu[:, :200], gu[:, 200:]
     assert not g.is_contiguous()
-    q, s = gelu_tanh_mul_quant_triton(g, u, max_block=64)
-    check(q, s, gelu_tanh_mul_triton(g, u), gelu_tanh_mul_reference(g, u))
+    for split in (0, 64):
+        q, s = gelu_tanh_mul_quant_triton(g, u, max_block=64, split=split)
+        check(q, s, gelu_tanh_mul_triton(g, u), gelu_tanh_mul_reference(g, u))
+
+
+def test_few_long_rows_take_the_split_path_by_default():
+    """The decode shapes (a few rows of thousands of columns) are spread over programs; the split
+    path's bytes equal the one-program path's, on a row whose amax sits in its last program."""
+    from gemma4opt.kernels.fp8_quant import _split_columns
+    assert _split_columns(1, 21504) == 1024 and _split_columns(32, 21504) == 2048
+    assert _split_columns(1, 2048) == 0 and _split_columns(4096, 21504) == 0
+    g, u = _x((2, 4100), torch.bfloat16), _x((2, 4100), torch.bfloat16, 1.0, 1)
+    g[:, -1] = 8.0
+    q, s = gelu_tanh_mul_quant_triton(g, u)
+    q1, s1 = gelu_tanh_mul_quant_triton(g, u, split=0)
+    same_bytes(q, q1)
+    assert torch.equal(s, s1)
 
 
 def test_zero_rows_quantize_to_zero_with_the_minimum_scale():
@@ -160,6 +177,9 @@ def test_zero_rows_quantize_to_zero_with_the_minimum_scale():
     g[2] = 0
     q, s = gelu_tanh_mul_quant_triton(g, torch.ones_like(g), max_block=16)
     assert s[2] == SCALE_MIN and (q[2].float() == 0).all()
+    q2, s2 = gelu_tanh_mul_quant_triton(g, torch.ones_like(g), split=16)
+    same_bytes(q2, q)
+    assert torch.equal(s2, s)
     check(q, s, gelu_tanh_mul_triton(g, torch.ones_like(g)), gelu_tanh_mul_reference(g, torch.ones_like(g)))
 
 
