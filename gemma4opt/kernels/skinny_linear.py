@@ -153,7 +153,10 @@ def _split_sum_kernel(P, Y, M, N, sym, SPLIT_K: tl.constexpr, BLOCK: tl.constexp
 # among them; the best beat cuBLAS by 1.13x on o_proj (sliding), 1.05x (full) and 1.03x on down,
 # and tied on gate/up and q/k/v. The old x-rows-as-M tiles (the last two) stay for small N.
 # Tuned per (N, K, row class): kept short so a warm-up tunes in seconds.
+# Two W rows a program: narrow GEMMs (the e4b's per-layer-input gate, 256 x 2560, took 4.8 us at
+# 64 programs of 4 rows, where its 1.3 MB need ~0.3) fill more SMs.
 _ROW_SUM = [(bn, bk, w, 1, 3, False) for bn in (4, 8, 16) for bk in (512, 1024) for w in (4, 8)]
+_ROW_SUM += [(2, 512, 4, 1, 3, False), (2, 1024, 4, 1, 3, False)]
 _DOT = [(64, 128, 4, 1, 3, True), (64, 128, 4, 1, 5, True), (64, 64, 4, 1, 5, True), (128, 64, 8, 1, 3, True),
         (128, 128, 8, 2, 5, True), (64, 128, 4, 2, 3, True), (64, 128, 4, 4, 3, True), (64, 64, 4, 4, 5, True),
         (16, 256, 4, 1, 3, False), (32, 128, 4, 4, 3, False)]
