@@ -58,12 +58,17 @@ def _split_args(split, pages_per_seq):
     return dict(fixed_split_size=-(-pages_per_seq // int(split[1:])))
 
 
-def run_case(kind, variant, batch, context, workspace, bw, reps=20, split="auto"):
+def run_case(kind, variant, batch, context, workspace, bw, reps=20, split="auto", kv_dtype="bf16"):
     g = KINDS[kind]
     h, kvh, d, window = g["heads"], g["kv_heads"], g["head_dim"], g["window"]
     pages_per_seq = -(-context // PAGE)
     n_pages = batch * pages_per_seq
     kv = torch.randn(n_pages, 2, PAGE, kvh, d, device="cuda", dtype=torch.bfloat16)
+    fp8 = kv_dtype == "fp8"
+    if fp8:         # an fp8 pool (kv_cache_dtype="fp8"): the Triton decode kernel only
+        if not variant.startswith("triton"):
+            raise ValueError(f"{variant} is not run on an fp8 pool here (decode steps run the Triton kernel)")
+        kv = kv.to(torch.float8_e4m3fn)
     q = torch.randn(batch, h, d, device="cuda", dtype=torch.bfloat16)
     indptr = torch.arange(0, n_pages + 1, pages_per_seq, dtype=torch.int32)
     indices = torch.randperm(n_pages, dtype=torch.int32).cuda()
@@ -79,8 +84,10 @@ def run_case(kind, variant, batch, context, workspace, bw, reps=20, split="auto"
         if variant != "triton":         # triton-bN-wW-sS: another launch configuration
             n, w, st = (int(x[1:]) for x in variant.split("-")[1:])
             cfg = dict(block_n=n, num_warps=w, num_stages=st)
+        kv_scale = torch.ones(2, dtype=torch.float32, device="cuda") if fp8 else None
         return _time(lambda: paged_decode_triton(q, kv, table, lens, window=window or 0, scale=1.0, num_sms=sms,
-                                                 config=cfg), reps, kind, variant, batch, context, window, kvh, d, bw)
+                                                 config=cfg, kv_scale=kv_scale),
+                     reps, kind, variant, batch, context, window, kvh, d, bw, kv.element_size())
     w = _wrapper(variant, workspace, batch, n_pages, d)
     common = dict(window_left=window - 1 if window else -1, sm_scale=1.0, q_data_type=torch.bfloat16,
                   kv_data_type=torch.bfloat16)
@@ -93,7 +100,7 @@ def run_case(kind, variant, batch, context, workspace, bw, reps=20, split="auto"
     return _time(lambda: w.run(q, kv), reps, kind, label, batch, context, window, kvh, d, bw)
 
 
-def _time(run, reps, kind, label, batch, context, window, kvh, d, bw):
+def _time(run, reps, kind, label, batch, context, window, kvh, d, bw, elem=2):
     run()                                            # JIT / warm-up outside the graph
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -112,8 +119,8 @@ def _time(run, reps, kind, label, batch, context, window, kvh, d, bw):
         times.append(start.elapsed_time(end) / reps * 1e3)
     us = min(times)
     seen = min(context, window) if window else context
-    kv_bytes = batch * seen * kvh * d * 2 * 2
-    return dict(kind=kind, variant=label, batch=batch, context=context,
+    kv_bytes = batch * seen * kvh * d * 2 * elem
+    return dict(kind=kind, variant=label, kv_dtype="fp8" if elem == 1 else "bf16", batch=batch, context=context,
                 us=us, kv_mb=kv_bytes / 1e6, gb_s=kv_bytes / us / 1e3, bw_frac=kv_bytes / (us * 1e-6) / bw)
 
 
@@ -125,11 +132,13 @@ def main(argv=None):
     ap.add_argument("--variants", nargs="+", default=["prefill", "decode", "decode-tc"],
                     help="prefill fa2 decode decode-tc triton, or triton-bN-wW-sS (BLOCK_N, warps, stages)")
     ap.add_argument("--split", nargs="+", default=["auto"], help="fa2 only: auto or cN (N chunks per sequence)")
+    ap.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8"],
+                    help="the pool's dtype; fp8 (e4m3, scale 1) runs the triton variants only")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     bw = copy_bandwidth("cuda")
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-    print(f"# copy bandwidth {bw / 1e12:.2f} TB/s; bf16, page size {PAGE}; us per layer (CUDA graph of 20)")
+    print(f"# copy bandwidth {bw / 1e12:.2f} TB/s; {args.kv_dtype} KV, page size {PAGE}; us per layer (CUDA graph of 20)")
     print(f"{'kind':>8} {'variant':>10} {'batch':>5} {'context':>7} {'us':>8} {'KV MB':>8} {'GB/s':>7} {'of copy':>7}")
     rows = []
     for kind in args.kinds:
@@ -138,7 +147,7 @@ def main(argv=None):
             for context in args.context:
                 for batch in args.batch:
                     try:
-                        r = run_case(kind, variant, batch, context, workspace, bw, split=split)
+                        r = run_case(kind, variant, batch, context, workspace, bw, split=split, kv_dtype=args.kv_dtype)
                     except Exception as e:      # a variant FlashInfer lacks for this geometry
                         print(f"{kind:>8} {label:>10} {batch:>5} {context:>7}  unsupported: {type(e).__name__}: "
                               f"{str(e).splitlines()[0][:120] if str(e) else ''}", flush=True)

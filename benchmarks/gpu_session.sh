@@ -74,6 +74,9 @@
 #   attention  bench_attention.py: the Triton decode kernel and FlashInfer's decode over paged KV,
 #              both attention kinds, batch 1-64, context 160-4096 (limit 300 s), and the host work of
 #              a decode step (bench_plan.py --begin-step, limit 120 s).
+#   fp8-check  the split gelu / row quantization kernel tests (80 s), the Triton decode kernel over an fp8 pool at
+#              batch 32 and 64, 4k context (60 s), the 31b x 12 at batch 1 and 32: fp8 weights and lm_head, bf16,
+#              HF static cache + torch.compile, HF eager (420 s).
 #   profile-layers  profile_decode.py at batch 1, PDL off, every kernel of one step in order: the 31b x 12
 #              with fp8 weights and lm_head (200 s), the e4b in bf16 (170 s); then the 31b x 12 bf16 one-liner
 #              with its timed GEMM picks against every decode GEMM on Triton (200 s).
@@ -247,6 +250,15 @@ for s in "$@"; do
       stage profile-1 240 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --attention paged
       stage profile-32 330 python3 benchmarks/profile_decode.py --preset 31b --layers 12 --new 32 --batch 32 \
             --attention paged ;;
+    fp8-check)
+      # The split gelu / row quantization compiled against the references; the Triton decode kernel over an
+      # fp8 pool at batch 32 and 64, 4k context; the 31b x 12 with fp8 weights and lm_head against bf16,
+      # HF static cache + compile and eager.
+      stage fp8-quant-tests 80 $PYTEST tests/kernels/test_fp8_quant_kernel.py -k "gelu or quantize_rows"
+      stage attention-fp8 60 python3 benchmarks/bench_attention.py --variants triton --kv-dtype fp8 --batch 32 64 \
+            --context 4096 --json "$OUT/attention.jsonl"
+      stage fp8-31b 420 $GEN 31b --layers 12 --batch 1 32 --systems gemma4opt-fp8-head gemma4opt static_compile eager \
+            --json "$OUT/generate.jsonl" ;;
     profile-layers)
       # Kernel by kernel, in order, one decode step at batch 1 with programmatic dependent launch off
       # (with it on, a kernel starts early and waits, so its profiled time includes its producer's).
@@ -262,6 +274,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check)" ;;
   esac
 done

@@ -141,11 +141,12 @@ def attention_section(rows):
     return _table_section(
         "attention", "One decode query per sequence over the paged KV cache, the 31b's two attention kinds "
         "(sliding: 32/16 heads, head_dim 256, window 1024; full: 32/4 heads, head_dim 512). µs per layer (CUDA "
-        "graph of 20 runs); of copy BW: KV bytes read ÷ time ÷ copy bandwidth.", rows,
-        ["kind", "variant", "batch", "context", "µs", "KV MB", "of copy BW"],
-        ["---", "---", "---:", "---:", "---:", "---:", "---:"],
-        lambda r: [r["kind"], r["variant"], str(r["batch"]), str(r["context"]), f"{r['us']:.1f}",
-                   f"{r['kv_mb']:.1f}", _pct(r["bw_frac"])])
+        "graph of 20 runs); of copy BW: KV bytes read ÷ time ÷ copy bandwidth; KV: the pool's dtype (fp8: "
+        "e4m3, `kv_cache_dtype=\"fp8\"`).", rows,
+        ["kind", "variant", "KV", "batch", "context", "µs", "KV MB", "of copy BW"],
+        ["---", "---", "---", "---:", "---:", "---:", "---:", "---:"],
+        lambda r: [r["kind"], r["variant"], r.get("kv_dtype", "bf16"), str(r["batch"]), str(r["context"]),
+                   f"{r['us']:.1f}", f"{r['kv_mb']:.1f}", _pct(r["bw_frac"])])
 
 
 def fp8_quality_section(rows):
