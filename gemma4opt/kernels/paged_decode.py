@@ -45,7 +45,8 @@ _COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
 @triton.jit
 def _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, scale, m_i, l_i, acc, d,
           PS: tl.constexpr, BLOCK_N: tl.constexpr, COMPILED: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
-    """One BLOCK_N-token tile of the online softmax (tokens gathered through the page table)."""
+    """One BLOCK_N-token tile of the online softmax (tokens gathered through the page table); with
+    an fp8 pool the tiles take q's dtype, which the caller may have made fp16 (F16 below)."""
     t = t0 + tl.arange(0, BLOCK_N)
     tmask = t < end
     page = tl.load(TABLE + row_base + (t // PS) % ring, mask=tmask, other=0)
@@ -78,7 +79,7 @@ def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE,
                          sl_b, sl_h, window, scale,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
                          BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, TOKENS: tl.constexpr, COMPILED: tl.constexpr,
-                         IEEE: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+                         IEEE: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
     qk_scale = scale
@@ -100,6 +101,8 @@ def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE,
     gmask = g < GROUP
     heads = kh * GROUP + g
     q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=gmask[:, None], other=0.0)
+    if F16:         # fp8 pages into bf16 dots: e4m3 -> fp16 is one instruction, -> bf16 three
+        q = q.to(tl.float16)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
@@ -159,7 +162,7 @@ def supported(num_heads: int, kv_heads: int, head_dim: int) -> str | None:
     return None
 
 
-def launch_config(head_dim: int, rows: int) -> dict:
+def launch_config(head_dim: int, rows: int, fp8: bool = False) -> dict:
     """BLOCK_N, num_warps, num_stages of the split kernel. Measured on an H200 (benchmarks/
     bench_attention.py, 31b geometry): head_dim 512 takes 16-token tiles on 8 warps best at one
     row of short context (7.8 µs against 9.2 at 160 tokens) and 32-token tiles on 4 warps from 8
@@ -197,7 +200,10 @@ def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, 
     if B == 0:
         return out
     n = splits if splits is not None else decode_splits(B, kvh, num_sms)
-    cfg = config or launch_config(D, B)
+    cfg = {**launch_config(D, B, fp8), **(config or {})}
+    # F16: bf16 queries over an fp8 pool run their dots in fp16 (every e4m3 value and every bf16
+    # query element of magnitude >= 2^-14 is exact in fp16; p in [0, 1] is rounded finer than in bf16).
+    f16 = bool(cfg.get("f16", False)) and fp8 and q.dtype == torch.bfloat16
     # Partial outputs and LSEs per split (one split writes ``out`` directly: placeholders then).
     shape = (B, H, n) if n > 1 else (1, 1, 1)
     part = torch.empty(*shape, D if n > 1 else 1, dtype=torch.float32, device=q.device)
@@ -208,7 +214,7 @@ def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, 
         table.shape[1], out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1), window, scale,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, PS=ps, BLOCK_N=cfg["block_n"], NSPLIT=n,
-        TOKENS=tokens, COMPILED=_COMPILED, IEEE=q.dtype == torch.float32, FP8=fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        TOKENS=tokens, COMPILED=_COMPILED, IEEE=q.dtype == torch.float32, FP8=fp8, F16=f16, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_flags(out))
     if n > 1:
         block_d = min(D, 64)
