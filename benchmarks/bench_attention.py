@@ -81,11 +81,11 @@ def run_case(kind, variant, batch, context, workspace, bw, reps=20, split="auto"
         lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         cfg = None
-        if variant != "triton":         # triton-bN-wW-sS[-f16][-pf], triton-f16, triton-pf: another launch
+        if variant != "triton":         # triton-bN-wW-sS[-f16] or triton-f16: another launch configuration
             keys = dict(b="block_n", w="num_warps", s="num_stages")
             parts = variant.split("-")[1:]
-            cfg = {keys[x[0]]: int(x[1:]) for x in parts if x not in ("f16", "pf")}
-            cfg.update(f16="f16" in parts, prefetch="pf" in parts)
+            cfg = {keys[x[0]]: int(x[1:]) for x in parts if x != "f16"}
+            cfg["f16"] = "f16" in parts
         kv_scale = torch.ones(2, dtype=torch.float32, device="cuda") if fp8 else None
         return _time(lambda: paged_decode_triton(q, kv, table, lens, window=window or 0, scale=1.0, num_sms=sms,
                                                  config=cfg, kv_scale=kv_scale),
@@ -133,7 +133,7 @@ def main(argv=None):
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     ap.add_argument("--variants", nargs="+", default=["prefill", "decode", "decode-tc"],
                     help="prefill fa2 decode decode-tc triton, or triton-bN-wW-sS (BLOCK_N, warps, stages), "
-                         "-f16 after either: an fp8 pool's dots in fp16; -pf: the next tile's loads issued first")
+                         "-f16 after either: an fp8 pool's dots in fp16")
     ap.add_argument("--split", nargs="+", default=["auto"], help="fa2 only: auto or cN (N chunks per sequence)")
     ap.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8"],
                     help="the pool's dtype; fp8 (e4m3, scale 1) runs the triton variants only")

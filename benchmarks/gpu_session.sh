@@ -80,8 +80,6 @@
 #   fp8-attention-26b  the Triton decode kernel over an fp8 pool, eight launch configurations with and without
 #              fp16 dots, batch 1-64, and the bf16 pool's default (170 s); the 26b-a4b at batch 1, bf16 and fp8
 #              weights + lm_head (280 s); the 31b x 12 fp8 decode step's kernels in order (120 s).
-#   attention-prefetch  the Triton decode kernel with its next tile's loads issued first, over fp8 (fp16 dots) and
-#              bf16 pools, batch 1-64, context 160 and 4096 (170 s).
 #   profile-layers  profile_decode.py at batch 1, PDL off, every kernel of one step in order: the 31b x 12
 #              with fp8 weights and lm_head (200 s), the e4b in bf16 (170 s); then the 31b x 12 bf16 one-liner
 #              with its timed GEMM picks against every decode GEMM on Triton (200 s).
@@ -278,15 +276,6 @@ for s in "$@"; do
       stage fp8-26b-a4b 280 $GEN 26b-a4b --batch 1 --systems gemma4opt gemma4opt-fp8-head --json "$OUT/generate.jsonl"
       GEMMA4OPT_PDL=0 stage profile-31b-fp8 120 python3 benchmarks/profile_decode.py --preset 31b --layers 12 \
             --new 16 --attention paged --quantization fp8 --quantize-lm-head --per-category 30 ;;
-    attention-prefetch)
-      # The Triton decode kernel with the next tile's loads issued first, fp8 pool (fp16 dots) and bf16 pool.
-      V="triton-f16 triton-f16-pf triton-b64-w4-s2-f16 triton-b64-w4-s2-f16-pf triton-b64-w8-s2-f16 \
-         triton-b64-w8-s2-f16-pf triton-b32-w4-s2-f16-pf"
-      stage attention-prefetch 170 bash -c "python3 benchmarks/bench_attention.py --variants $V --kv-dtype fp8 \
-            --batch 32 64 --context 4096 --json $OUT/attention.jsonl && python3 benchmarks/bench_attention.py \
-            --variants $V --kv-dtype fp8 --batch 1 --context 160 4096 --json $OUT/attention.jsonl && \
-            python3 benchmarks/bench_attention.py --variants triton triton-pf --batch 1 32 64 --context 160 4096 \
-            --json $OUT/attention.jsonl" ;;
     profile-layers)
       # Kernel by kernel, in order, one decode step at batch 1 with programmatic dependent launch off
       # (with it on, a kernel starts early and waits, so its profiled time includes its producer's).
@@ -302,6 +291,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, attention-prefetch)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b)" ;;
   esac
 done

@@ -43,22 +43,16 @@ _COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @triton.jit
-def _load_tile(KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, d,
-               PS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The k and v rows of tokens t0 .. t0 + BLOCK_N (gathered through the page table; none past end)."""
+def _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, scale, m_i, l_i, acc, d,
+          PS: tl.constexpr, BLOCK_N: tl.constexpr, COMPILED: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
+    """One BLOCK_N-token tile of the online softmax (tokens gathered through the page table); with
+    an fp8 pool the tiles take q's dtype, which the caller may have made fp16 (F16 below)."""
     t = t0 + tl.arange(0, BLOCK_N)
     tmask = t < end
     page = tl.load(TABLE + row_base + (t // PS) % ring, mask=tmask, other=0)
     base = page.to(tl.int64) * s_page + (t % PS) * s_tok + kh * s_head
     k = tl.load(KV + base[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
     v = tl.load(KV + s_kv + base[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
-    return k, v, tmask
-
-
-@triton.jit
-def _update(q, k, v, tmask, scale, m_i, l_i, acc, COMPILED: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
-    """One tile of the online softmax; with an fp8 pool the tiles take q's dtype, which the caller
-    may have made fp16 (F16 below)."""
     if FP8:         # e4m3 -> the queries' dtype, exactly; the scales are applied by the caller
         k, v = k.to(q.dtype), v.to(q.dtype)
     if not COMPILED:
@@ -85,8 +79,7 @@ def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE,
                          sl_b, sl_h, window, scale,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
                          BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, TOKENS: tl.constexpr, COMPILED: tl.constexpr,
-                         IEEE: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
-                         PDL: tl.constexpr):
+                         IEEE: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
     qk_scale = scale
@@ -113,31 +106,15 @@ def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE,
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    if PREFETCH:    # the next tile's loads issued before this tile's math: twice the bytes in flight
-        k, v, tm = _load_tile(KV, TABLE, row_base, ring, start, end, kh, s_page, s_kv, s_tok, s_head, d, PS, BLOCK_N)
-        if COMPILED:
-            for t0 in range(start, end, BLOCK_N):
-                kn, vn, tmn = _load_tile(KV, TABLE, row_base, ring, t0 + BLOCK_N, end, kh, s_page, s_kv, s_tok,
-                                         s_head, d, PS, BLOCK_N)
-                m_i, l_i, acc = _update(q, k, v, tm, qk_scale, m_i, l_i, acc, COMPILED, IEEE, FP8)
-                k, v, tm = kn, vn, tmn
-        else:
-            t0 = start
-            while t0 < end:
-                kn, vn, tmn = _load_tile(KV, TABLE, row_base, ring, t0 + BLOCK_N, end, kh, s_page, s_kv, s_tok,
-                                         s_head, d, PS, BLOCK_N)
-                m_i, l_i, acc = _update(q, k, v, tm, qk_scale, m_i, l_i, acc, COMPILED, IEEE, FP8)
-                k, v, tm = kn, vn, tmn
-                t0 += BLOCK_N
-    elif COMPILED:
+    if COMPILED:
         for t0 in range(start, end, BLOCK_N):
-            k, v, tm = _load_tile(KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, d, PS, BLOCK_N)
-            m_i, l_i, acc = _update(q, k, v, tm, qk_scale, m_i, l_i, acc, COMPILED, IEEE, FP8)
+            m_i, l_i, acc = _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, qk_scale,
+                                  m_i, l_i, acc, d, PS, BLOCK_N, COMPILED, IEEE, FP8)
     else:
         t0 = start
         while t0 < end:
-            k, v, tm = _load_tile(KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, d, PS, BLOCK_N)
-            m_i, l_i, acc = _update(q, k, v, tm, qk_scale, m_i, l_i, acc, COMPILED, IEEE, FP8)
+            m_i, l_i, acc = _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, qk_scale,
+                                  m_i, l_i, acc, d, PS, BLOCK_N, COMPILED, IEEE, FP8)
             t0 += BLOCK_N
     empty = l_i == 0.0              # a split past the end (or a chunk with nothing visible)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -237,7 +214,7 @@ def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, 
         table.shape[1], out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1), window, scale,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, PS=ps, BLOCK_N=cfg["block_n"], NSPLIT=n,
-        TOKENS=tokens, COMPILED=_COMPILED, IEEE=q.dtype == torch.float32, FP8=fp8, F16=f16, PREFETCH=bool(cfg.get("prefetch", False)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        TOKENS=tokens, COMPILED=_COMPILED, IEEE=q.dtype == torch.float32, FP8=fp8, F16=f16, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_flags(out))
     if n > 1:
         block_d = min(D, 64)

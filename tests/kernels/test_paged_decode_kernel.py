@@ -38,8 +38,7 @@ CASES = [  # lens, page size, heads, kv heads, D, window, splits, ring
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_matches_reference(dtype, case, prefetch):
+def test_matches_reference(dtype, case):
     lens, ps, H, kvh, D, window, splits, ring = case
     g = torch.Generator().manual_seed(sum(lens) + D)
     kv, table, (indptr, indices, last, start) = _batch(lens, ps, kvh, D, dtype, window, g, ring)
@@ -50,8 +49,7 @@ def test_matches_reference(dtype, case, prefetch):
                                      window or None, scale)
     lens32 = torch.tensor(lens, dtype=torch.int32)
     dev = [t.to(DEVICE) for t in (q, kv, table, lens32)]
-    got = paged_decode_triton(*dev, window=window, scale=scale, num_sms=4, splits=splits,
-                              config=dict(prefetch=prefetch))
+    got = paged_decode_triton(*dev, window=window, scale=scale, num_sms=4, splits=splits)
     close(got.cpu(), want, dtype)
 
 
@@ -140,8 +138,8 @@ def _fp8_pool(kv, scales):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("scales", [(1.0, 1.0), (0.05, 3.0)])
-@pytest.mark.parametrize("f16,prefetch", [(False, False), (True, False), (True, True)])
-def test_fp8_pool_matches_reference(dtype, case, scales, f16, prefetch):
+@pytest.mark.parametrize("f16", [False, True])
+def test_fp8_pool_matches_reference(dtype, case, scales, f16):
     """An fp8 pool, dequantized with the layer's scales: the kernel (scales folded into the softmax
     scale and the output) against both references (which multiply the values). f16: bf16 queries'
     dots in fp16 (other dtypes ignore it)."""
@@ -159,7 +157,7 @@ def test_fp8_pool_matches_reference(dtype, case, scales, f16, prefetch):
     table_ref = paged_decode_reference(q.float(), kv8, table, lens32, window, 0.7, kv_scale=kv_scale)
     torch.testing.assert_close(table_ref, want, rtol=1e-5, atol=1e-5)
     got = paged_decode_triton(*(t.to(DEVICE) for t in (q, kv8, table, lens32)), window=window, scale=0.7, num_sms=4,
-                              splits=splits, kv_scale=kv_scale.to(DEVICE), config=dict(f16=f16, prefetch=prefetch))
+                              splits=splits, kv_scale=kv_scale.to(DEVICE), config=dict(f16=f16))
     close(got.cpu(), want, dtype)
 
 
