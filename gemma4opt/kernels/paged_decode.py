@@ -24,6 +24,8 @@ An fp8 (e4m3) pool is read with the layer's scales ``kv_scale`` [k, v] fp32: til
 to the queries' dtype (exact: every e4m3 value is a bf16, fp16 and fp32 value) and the scales
 are applied once, not per element: k's folded into the softmax scale, v's on the output (the
 reference, ops/kv_append.py, multiplies the values; equal up to rounding, exactly at scale 1).
+bf16 queries over an fp8 pool run their dots in fp16 (``launch_config``'s f16): converting the
+tiles is this kernel's bound there, and e4m3 -> fp16 is one instruction where -> bf16 takes three.
 """
 from __future__ import annotations
 
@@ -163,14 +165,22 @@ def supported(num_heads: int, kv_heads: int, head_dim: int) -> str | None:
 
 
 def launch_config(head_dim: int, rows: int, fp8: bool = False) -> dict:
-    """BLOCK_N, num_warps, num_stages of the split kernel. Measured on an H200 (benchmarks/
-    bench_attention.py, 31b geometry): head_dim 512 takes 16-token tiles on 8 warps best at one
-    row of short context (7.8 µs against 9.2 at 160 tokens) and 32-token tiles on 4 warps from 8
-    rows up (8 rows of 4096 tokens: 90 µs against 128; 64 rows: 511 µs, 99 % of copy bandwidth,
-    against 928); head_dim 256: 32 on 4."""
+    """BLOCK_N, num_warps, num_stages of the split kernel, and for an fp8 pool whether its dots run
+    in fp16. Measured on an H200 (benchmarks/bench_attention.py, 31b geometry): head_dim 512 takes
+    16-token tiles on 8 warps best at one row of short context (7.8 µs against 9.2 at 160 tokens)
+    and 32-token tiles on 4 warps from 8 rows up (8 rows of 4096 tokens: 90 µs against 128; 64 rows:
+    511 µs, 99 % of copy bandwidth, against 928); head_dim 256: 32 on 4.
+
+    An fp8 pool is bound by converting its tiles, not by their bytes: fp16 dots (e4m3 -> fp16 is
+    one instruction) and, from 8 rows, 64-token tiles (8 warps at head_dim 512, 4 at 256). At 32
+    and 64 rows of 4096 tokens that took the full layer from 602 / 915 µs to 347 / 680, the sliding
+    one from 215 / 341 to 149 / 293; at one row fp16 alone, 26.3 -> 19.6 µs (full, 4096 tokens).
+    Still 37-44 % of copy bandwidth: slower than the bf16 pool beyond a few hundred tokens."""
+    if fp8 and rows >= 8:
+        return dict(block_n=64, num_warps=8 if head_dim >= 512 else 4, num_stages=2, f16=True)
     if head_dim >= 512 and rows < 8:
-        return dict(block_n=16, num_warps=8, num_stages=2)
-    return dict(block_n=32, num_warps=4, num_stages=2)
+        return dict(block_n=16, num_warps=8, num_stages=2, f16=fp8)
+    return dict(block_n=32, num_warps=4, num_stages=2, f16=fp8)
 
 
 def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor,
