@@ -89,6 +89,21 @@ def test_fp8_reference_is_hfs_math_on_the_dequantized_weights():
           moe_experts_reference(x, idx, w, deq_gu, deq_d), torch.float32)
 
 
+@pytest.mark.parametrize("T,k,E,I,H", [(1, 2, 5, 24, 40), (37, 3, 6, 17, 33), (60, 8, 40, 12, 70)])
+def test_fp8_grouped_prefill_path_matches_reference(T, k, E, I, H):
+    """The prefill path (plain torch, CUDA's beyond the decode kernels' pairs) against the reference:
+    experts with no tokens, uneven counts, more experts than one dequantized group (40 > 16)."""
+    from gemma4opt.ops.fp8 import quantize_rows_reference
+    from gemma4opt.ops.moe_experts_fp8 import moe_experts_fp8_grouped, moe_experts_fp8_reference
+
+    for dtype in DTYPES:
+        x, idx, w, gate_up, down = _case(T, k, E, I, H, dtype, seed=T + k + E)
+        gu_q, gu_s = quantize_rows_reference(gate_up)
+        d_q, d_s = quantize_rows_reference(down)
+        close(moe_experts_fp8_grouped(x, idx, w, gu_q, gu_s, d_q, d_s),
+              moe_experts_fp8_reference(x, idx, w, gu_q, gu_s, d_q, d_s), dtype)
+
+
 def test_fp8_experts_need_both_scales_of_the_right_shape():
     from gemma4opt.ops.fp8 import quantize_rows_reference
 
