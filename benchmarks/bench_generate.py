@@ -112,6 +112,7 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      "gemma4opt-fp8-kv8": dict(quantization="fp8", kv_cache_dtype="fp8"),
                      # And the lm_head in fp8 (an fp8 copy beside the tied bf16 embedding table).
                      "gemma4opt-fp8-head": dict(quantization="fp8", quantize_lm_head=True),
+                     "gemma4opt-fp8-kv8-head": dict(quantization="fp8", kv_cache_dtype="fp8", quantize_lm_head=True),
                      "gemma4opt-paged-fp8": dict(attention="paged", quantization="fp8"),
                      "gemma4opt-paged-fp8-kv8": dict(attention="paged", quantization="fp8", kv_cache_dtype="fp8")}
 

@@ -64,6 +64,11 @@
 #   fp8-presets  e4b, then 26b-a4b, at batch 1: the one-liner in bf16, with fp8 weights, with fp8 weights and
 #              lm_head (limit 230 s each).
 #   speed-31b-full  the 60-layer 31b at batch 1, same systems (limit 590 s; 62 GB, no model copies).
+#   fp8-verify  the fp8 pool's decode kernel and the fp8 experts' prefill path on the GPU against their references
+#              (200 s), prefill TTFT of 8 x 2048 tokens on the 31b x 12 in bf16 and fp8 (300 s), the 26b-a4b with
+#              fp8 weights and lm_head against eager (250 s).
+#   speed-31b-full-fp8  the 60-layer 31b at batch 1: HF static cache + torch.compile, then fp8 weights, lm_head
+#              and KV (590 s).
 #   tp         on nvidia-h200-x2 only: tests/gpu/test_gpu_tensor_parallel.py (two ranks over NCCL, every
 #              tiny variant, CUDA graphs capturing the all-reduces; limit 300 s), then bench_tp.py under
 #              torchrun: the 31b x 12 at batch 1 and 32, gemma4opt's split against HF's tp_plan="auto"
@@ -235,6 +240,19 @@ for s in "$@"; do
     speed-31b-full)
       stage speed-31b-full 590 $GEN 31b --batch 1 --systems eager static_compile gemma4opt-paged \
             --json "$OUT/generate.jsonl" ;;   # 62 GB: gemma4opt last, on the model itself
+    fp8-verify)
+      # The fp8 pool's decode (fp16 dots, wide tiles) and the fp8 experts' prefill path compiled against their
+      # references; prefill TTFT of 8 x 2048 tokens on the 31b x 12, bf16 against fp8; the 26b-a4b's fp8
+      # prefill and decode against eager.
+      stage fp8-verify-tests 200 $PYTEST tests/gpu/test_gpu_fp8_kv.py tests/gpu/test_gpu_moe_experts.py \
+            tests/kernels/test_paged_decode_kernel.py tests/kernels/test_moe_experts_kernel.py -k "fp8"
+      stage fp8-prefill-31b 300 $GEN 31b --layers 12 --batch 8 --prompt 2048 --new 8 --systems gemma4opt-paged \
+            gemma4opt-paged-fp8 --json "$OUT/generate.jsonl"
+      stage fp8-26b-a4b-eager 250 $GEN 26b-a4b --batch 1 --systems eager gemma4opt-fp8-head --json "$OUT/generate.jsonl" ;;
+    speed-31b-full-fp8)
+      # 60 layers with fp8 weights, lm_head and KV: quantized in place (last), one bf16 module at a time.
+      stage speed-31b-full-fp8 590 $GEN 31b --batch 1 --systems static_compile gemma4opt-fp8-kv8-head \
+            --json "$OUT/generate.jsonl" ;;
     tp)
       MAX_JOBS=16 stage tp-tests 300 $PYTEST -s tests/gpu/test_gpu_tensor_parallel.py
       stage tp-31b 560 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_tp.py --preset 31b \
@@ -291,6 +309,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, speed-31b-full-fp8)" ;;
   esac
 done
