@@ -97,18 +97,18 @@ def idle_gaps(prof, launches_per_step: float, steps: int, top=12):
         got[0] += gap
         got[1] += 1
     idle = sum(buckets.values())
-    last = ks[-int(launches_per_step):]
-    print(f"the last decode step in order ({len(last)} kernels): gap before (us), duration (us), kernel")
-    end = last[0].time_range.start
-    for k in last:
-        print(f"  {k.time_range.start - end:6.1f} {k.time_range.end - k.time_range.start:7.1f}  {k.name[:100]}")
-        end = max(end, k.time_range.end)
     print(f"device timeline over the last {steps} decode steps: {span / steps:.1f} us per step, "
           f"idle {idle / steps:.1f} us per step ({idle / span:.1%}); idle by gap size per step: "
           + ", ".join(f"{k} {v / steps:.1f}" for k, v in buckets.items()))
     print("  most idle between (us per step, gaps per step): previous kernel -> next kernel")
     for (a, b), (gap, n) in sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"    {gap / steps:7.1f} {n / steps:5.1f}  {a} -> {b}")
+    last = ks[-int(launches_per_step):]
+    print(f"the last decode step in order ({len(last)} kernels): gap before (us), duration (us), kernel")
+    end = last[0].time_range.start
+    for k in last:
+        print(f"  {k.time_range.start - end:6.1f} {k.time_range.end - k.time_range.start:7.1f}  {k.name[:100]}")
+        end = max(end, k.time_range.end)
 
 
 def main(argv=None):

@@ -37,3 +37,6 @@ def test_idle_gaps_count_the_union_of_overlapping_kernels(capsys):
     assert "30.0 us per step, idle 11.0 us per step" in out      # span 60, gaps 2 + 20 over 2 steps
     assert "1-3us 1.0" in out and ">10us 10.0" in out
     assert "c -> d" in out.splitlines()[2]
+    # The last step's kernels in order, each with the idle time before it (from the latest end).
+    listing = out[out.index("the last decode step in order (2 kernels)"):].splitlines()[1:]
+    assert [line.split() for line in listing] == [["0.0", "8.0", "c"], ["20.0", "10.0", "d"]]
