@@ -212,7 +212,9 @@ def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, 
     n = splits if splits is not None else decode_splits(B, kvh, num_sms)
     cfg = {**launch_config(D, B, fp8), **(config or {})}
     # F16: bf16 queries over an fp8 pool run their dots in fp16 (every e4m3 value and every bf16
-    # query element of magnitude >= 2^-14 is exact in fp16; p in [0, 1] is rounded finer than in bf16).
+    # query element of magnitude in [2^-14, 65504] is exact in fp16, and Gemma-4's queries are
+    # RMS-normalized per head, |q| ~ sqrt(head_dim) x q_norm's weight; p in [0, 1] is rounded finer
+    # than in bf16).
     f16 = bool(cfg.get("f16", False)) and fp8 and q.dtype == torch.bfloat16
     # Partial outputs and LSEs per split (one split writes ``out`` directly: placeholders then).
     shape = (B, H, n) if n > 1 else (1, 1, 1)
