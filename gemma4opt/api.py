@@ -275,10 +275,9 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
             shard_model(target, text_config, shard)
         edits.set(model, "save_pretrained", _refuse_save_sharded)
     if cfg.quantization == "fp8":
-        state.quantized = quantize_linears(target, drop_attrs=(MERGED_ATTR,), swapped_out=edits.forget_module)
+        state.quantized = quantize_linears(target, drop_attrs=(MERGED_ATTR,))
         if cfg.quantize_lm_head:
             state.quantized.update(quantize_lm_head(model))
-        edits.forget_modules_outside(model)       # the swapped-out bf16 modules go, with their weights
         edits.set(model, "save_pretrained", _refuse_save)
     for p in enabled:
         p.prepare(target, text_config)

@@ -7,6 +7,7 @@ owns are set (the model, its modules, its own copies of its configs), never a cl
 from __future__ import annotations
 
 import copy
+import weakref
 
 _MISSING = object()
 
@@ -16,30 +17,23 @@ class InstanceEdits:
         self._undo: list[tuple[object, str, object]] = []
 
     def set(self, obj, name: str, value) -> None:
-        """``obj.name = value``, remembering what was there (an instance attribute, or none)."""
-        self._undo.append((obj, name, obj.__dict__.get(name, _MISSING)))
-        setattr(obj, name, value)
-
-    def forget_modules_outside(self, root) -> None:
-        """Drop the records of modules no longer in ``root`` (swapped out for good, as quantization
-        swaps its projections and experts): reverting them would change nothing the model reaches, and
-        holding them would keep their weights in memory (the 26b-a4b's bf16 experts: 46 GB)."""
+        """``obj.name = value``, remembering what was there (an instance attribute, or none). A module
+        is held weakly: one the model later drops for good (quantization swaps its projections and
+        experts) has nothing left to revert, and a strong record would keep its weights in memory
+        (the 26b-a4b's bf16 experts, 46 GB, whose config attribute own_configs set)."""
         import torch
 
-        inside = {id(m) for m in root.modules()}
-        self._undo = [r for r in self._undo if not isinstance(r[0], torch.nn.Module) or id(r[0]) in inside]
-
-    def forget_module(self, module) -> None:
-        """Drop the records of ``module`` and its submodules, as it is swapped out for good: the
-        quantization frees each bf16 module as it goes, so at most one is alive beside the fp8 model
-        (the 26b-a4b's 52 GB in bf16 would otherwise peak at 78 GB while its experts are quantized)."""
-        gone = {id(m) for m in module.modules()}
-        self._undo = [r for r in self._undo if id(r[0]) not in gone]
+        ref = weakref.ref(obj) if isinstance(obj, torch.nn.Module) else (lambda: obj)
+        self._undo.append((ref, name, obj.__dict__.get(name, _MISSING)))
+        setattr(obj, name, value)
 
     def revert(self) -> None:
         """Put back every attribute in reverse order of setting."""
         while self._undo:
-            obj, name, old = self._undo.pop()
+            ref, name, old = self._undo.pop()
+            obj = ref()
+            if obj is None:
+                continue
             if old is _MISSING:
                 obj.__dict__.pop(name, None)
             else:

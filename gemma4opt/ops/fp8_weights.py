@@ -119,13 +119,10 @@ def _move_only(module: torch.nn.Module, fn, names: tuple[str, ...]) -> torch.nn.
     return module
 
 
-def quantize_linears(root: torch.nn.Module, drop_attrs: tuple[str, ...] = (),
-                     swapped_out=lambda module: None) -> dict[str, int]:
+def quantize_linears(root: torch.nn.Module, drop_attrs: tuple[str, ...] = ()) -> dict[str, int]:
     """Swap the projections of every QUANTIZED_BLOCKS module under root for Fp8Linear, and every
     MoE experts module for Fp8Experts, in place. ``drop_attrs``: attributes of a block that hold its
     bf16 weights too (merged weights of an earlier optimize()), deleted so the bf16 bytes go.
-    ``swapped_out(module)`` is called on each bf16 module as it leaves the model (to drop what else
-    refers to it, so its weights go before the next is quantized).
     Returns {"Fp8Linear": n, "Fp8Experts": n, "skipped: <why>": n}."""
     counts: dict[str, int] = {}
     # Only the parents: a list of every module would keep each swapped-out one alive to the end.
@@ -137,8 +134,6 @@ def quantize_linears(root: torch.nn.Module, drop_attrs: tuple[str, ...] = (),
             # tensor_parallel's all-reduce is a forward hook on the experts module: it moves along.
             fp8._forward_hooks.update(experts._forward_hooks)
             module.experts = fp8
-            swapped_out(experts)
-            del experts
         if isinstance(getattr(module, "experts", None), Fp8Experts):
             counts["Fp8Experts"] = counts.get("Fp8Experts", 0) + 1
         names = QUANTIZED_BLOCKS.get(type(module).__name__)
@@ -157,7 +152,6 @@ def quantize_linears(root: torch.nn.Module, drop_attrs: tuple[str, ...] = (),
                 continue
             if not isinstance(lin, Fp8Linear):      # (one from an earlier optimize() stays)
                 setattr(module, name, Fp8Linear.from_linear(lin))
-                swapped_out(lin)
             counts["Fp8Linear"] = counts.get("Fp8Linear", 0) + 1
     return counts
 
