@@ -182,7 +182,7 @@ def gelu_tanh_mul_quant_triton(gate: torch.Tensor, up: torch.Tensor, max_block: 
     rows = g2.shape[0]
     split = _split_columns(rows, D) if split is None else split
     if rows and split:
-        _split_quant(g2, u2, q, s, split, gelu=True)
+        _split_quant(g2, u2, q, s, split)
     elif rows:
         block = min(triton.next_power_of_2(max(D, 1)), max_block)
         _, warps = row_launch(block, rows)
@@ -197,7 +197,9 @@ def gelu_tanh_mul_quant_triton(gate: torch.Tensor, up: torch.Tensor, max_block: 
 # many rows, but at decode a gelu row of the 31b (21504 columns, tanh on each) is one SM's work:
 # 11 us on an H200, against ~55 us of the GEMM that reads it. So few long gelu rows are spread over
 # programs of SPLIT columns in two launches: each program's amax, then each program takes the
-# row's amax from those, recomputes its columns and quantizes them. Same values, same bytes.
+# row's amax from those, recomputes its columns and quantizes them. Same values, same bytes. (A bare
+# quantize_rows has no tanh to spread: at the 31b's 8192-column attention output one program takes
+# ~2.3 us, about what two launches would.)
 _SPLIT_MIN_COLUMNS = 4096
 _SPLIT_MAX_ROWS = 128
 
@@ -211,47 +213,38 @@ def _split_columns(rows: int, D: int) -> int:
 
 
 @triton.jit
-def _split_values(G, U, row, sg, su, c0, D, GELU: tl.constexpr, BLOCK: tl.constexpr):
-    if GELU:
-        return _gelu_mul_chunk(G, U, row, sg, su, c0, D, G.dtype.element_ty, BLOCK)
-    cols = c0 + tl.arange(0, BLOCK)
-    mask = cols < D
-    return tl.load(G + row * sg + cols, mask=mask, other=0.0).to(tl.float32), cols, mask
-
-
-@triton.jit
-def _split_amax_kernel(G, U, P, sg, su, D, NP, GELU: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _split_amax_kernel(G, U, P, sg, su, D, NP, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    y, cols, mask = _split_values(G, U, row, sg, su, part * BLOCK, D, GELU, BLOCK)
+    y, cols, mask = _gelu_mul_chunk(G, U, row, sg, su, part * BLOCK, D, G.dtype.element_ty, BLOCK)
     tl.store(P + row * NP + part, tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0))
 
 
 @triton.jit
-def _split_quant_kernel(G, U, P, Q, S, sg, su, sq, D, NP, GELU: tl.constexpr, BLOCK: tl.constexpr,
-                        NP_BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _split_quant_kernel(G, U, P, Q, S, sg, su, sq, D, NP, BLOCK: tl.constexpr, NP_BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     parts = tl.arange(0, NP_BLOCK)
     scale = fp8_row_scale(tl.max(tl.load(P + row * NP + parts, mask=parts < NP, other=0.0), axis=0))
-    y, cols, mask = _split_values(G, U, row, sg, su, part * BLOCK, D, GELU, BLOCK)
+    y, cols, mask = _gelu_mul_chunk(G, U, row, sg, su, part * BLOCK, D, G.dtype.element_ty, BLOCK)
     tl.store(Q + row * sq + cols, fp8_quantize(y, scale), mask=mask)
     if part == 0:
         tl.store(S + row, scale)
 
 
-def _split_quant(x2, u2, q, s, split: int, gelu: bool) -> None:
-    """The two-launch path over [rows, D] views (u2 read only with gelu): q and s filled."""
+def _split_quant(x2, u2, q, s, split: int) -> None:
+    """The two-launch path over [rows, D] gate and up views: q and s filled."""
     rows, D = x2.shape
     parts = triton.cdiv(D, split)
     amax = torch.empty(rows, parts, dtype=torch.float32, device=x2.device)
     flags = pdl_flags(x2)
-    _split_amax_kernel[(rows, parts)](x2, u2, amax, x2.stride(0), u2.stride(0), D, parts, GELU=gelu,
+    _split_amax_kernel[(rows, parts)](x2, u2, amax, x2.stride(0), u2.stride(0), D, parts,
                                       BLOCK=split, num_warps=4, **flags)
     _split_quant_kernel[(rows, parts)](x2, u2, amax, q, s, x2.stride(0), u2.stride(0), q.stride(0), D, parts,
-                                       GELU=gelu, BLOCK=split, NP_BLOCK=triton.next_power_of_2(parts),
+                                       BLOCK=split, NP_BLOCK=triton.next_power_of_2(parts),
                                        num_warps=4, **flags)
 
 
@@ -281,19 +274,13 @@ def _quantize_rows_kernel(X, Q, S, sx, sq, D, BLOCK: tl.constexpr, CHUNKS: tl.co
         tl.store(S + row, scale)
 
 
-def quantize_rows_triton(x: torch.Tensor, max_block: int = _GELU_MAX_BLOCK, split: int | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] quantized per row: (fp8 like x, fp32 scales x.shape[:-1]); ops/fp8.py's semantics.
-    ``split``: columns per program of the two-launch path; by default 0, one program per row (a
-    bare quantization has no tanh to spread: at the 31b's 8192-column attention output one program
-    takes ~2.3 us, about what the two launches would)."""
+def quantize_rows_triton(x: torch.Tensor, max_block: int = _GELU_MAX_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] quantized per row: (fp8 like x, fp32 scales x.shape[:-1]); ops/fp8.py's semantics."""
     D = x.shape[-1]
     x2 = rows_view(x)
     q, s = _outputs(x2)
     rows = x2.shape[0]
-    if rows and split:
-        _split_quant(x2, x2, q, s, split, gelu=False)
-    elif rows:
+    if rows:
         block = min(triton.next_power_of_2(max(D, 1)), max_block)
         _, warps = row_launch(block, rows)
         _quantize_rows_kernel[(rows,)](x2, q, s, x2.stride(0), q.stride(0), D, BLOCK=block,
