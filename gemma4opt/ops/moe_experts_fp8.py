@@ -48,10 +48,15 @@ def moe_experts_fp8_reference(x, top_k_index, top_k_weights, gate_up, gate_up_sc
         w_d = down[e].float() * down_scale[e].float()[:, None]
         y = F.linear(act.float(), w_d).to(dt).float() * top_k_weights[t, j].float()[:, None]
         parts[t, j] = y
+    return _sum_in_order(parts).to(dt)
+
+
+def _sum_in_order(parts):
+    """[T, k, H] fp32 -> [T, H]: each token's k weighted outputs added in slot order, as the kernel adds them."""
     out = parts[:, 0]
-    for j in range(1, k):       # in order, as the kernel adds them
+    for j in range(1, parts.shape[1]):
         out = out + parts[:, j]
-    return out.to(dt)
+    return out
 
 
 # Experts dequantized at once: fp32 copies of this many experts' weights at most (the 26b-a4b's:
@@ -86,11 +91,7 @@ def moe_experts_fp8_grouped(x, top_k_index, top_k_weights, gate_up, gate_up_scal
         ys[g0:g0 + _GROUP] = torch.bmm(act.float(), w_d.transpose(1, 2)).to(dt).float()
     parts = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
     parts[order] = ys[group, pos] * top_k_weights.reshape(-1)[order].float()[:, None]
-    parts = parts.view(T, k, H)
-    out = parts[:, 0]
-    for j in range(1, k):       # in order, as the reference and the kernel add them
-        out = out + parts[:, j]
-    return out.to(dt)
+    return _sum_in_order(parts.view(T, k, H)).to(dt)
 
 
 @moe_experts_fp8.register_kernel("cuda")
