@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gemma4opt  # noqa: E402
-from gemma4opt.kernels._util import PDL_DEFAULT, PREFETCH_DEFAULT, set_pdl, set_prefetch  # noqa: E402
+from gemma4opt.kernels._util import PDL_DEFAULT, set_pdl  # noqa: E402
 from gemma4opt.ops.state import MARGINS  # noqa: E402
 from gemma4opt.patterns import PATTERN_NAMES  # noqa: E402
 from gemma4opt.presets import ALL_PRESETS, build_model  # noqa: E402
@@ -107,9 +107,6 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      "gemma4opt-triton-gemms": dict(margins={"linear": 1e9, "linear_softcap": 1e9}),
                      # Every gemma4opt kernel launched plainly: programmatic dependent launch's share.
                      "gemma4opt-paged-nopdl": dict(attention="paged", pdl=False),
-                     # The decode GEMMs without their first weight tile loaded ahead of the PDL wait.
-                     "gemma4opt-noprefetch": dict(prefetch=False),
-                     "gemma4opt-fp8-head-noprefetch": dict(quantization="fp8", quantize_lm_head=True, prefetch=False),
                      # FP8 (e4m3) weights of the attention and dense-MLP projections; "-kv8": and the KV pool.
                      "gemma4opt-fp8": dict(quantization="fp8"),
                      "gemma4opt-fp8-kv8": dict(quantization="fp8", kv_cache_dtype="fp8"),
@@ -151,7 +148,6 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         sys_model = model if i == len(args.systems) - 1 else copy.deepcopy(model)
         opts = dict(GEMMA4OPT_SYSTEMS[system])
         set_pdl(opts.pop("pdl", PDL_DEFAULT))      # read at each launch: off for this system's whole run
-        set_prefetch(opts.pop("prefetch", PREFETCH_DEFAULT))
         margins = dict(MARGINS)
         MARGINS.update(opts.pop("margins", {}))     # read when optimize() makes the model's op state
         if opts.get("attention") == "paged":     # tuned: a pool for exactly this run's batches and lengths
@@ -186,7 +182,6 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
     if system in GEMMA4OPT_SYSTEMS:
         gemma4opt.report(sys_model)
         set_pdl(PDL_DEFAULT)
-        set_prefetch(PREFETCH_DEFAULT)
     if sys_model is not model or system == "static_compile":
         # Its copy of the weights, its KV pool or static cache and its CUDA graphs stay reachable
         # from Dynamo's caches until reset (at batch 128 x prompt 2048 the next system's prefill ran

@@ -21,24 +21,6 @@ def set_pdl(on: bool) -> None:
     _PDL["on"] = bool(on)
 
 
-# Weight prefetch (the decode GEMMs): a program loads its first weight tile before its PDL wait, so
-# the weights' DRAM latency overlaps the kernel before it (the norm or elementwise kernel that makes
-# the GEMM's input) instead of following it. Weights are never written during a step, so reading
-# them before the wait is safe; the tile is multiplied last, after the rest of K. The same code runs
-# without PDL (and in the interpreter), so results do not depend on PDL. GEMMA4OPT_PREFETCH=0 turns
-# it off (A/B runs); set_prefetch() does the same in-process for later launches.
-PREFETCH_DEFAULT = os.environ.get("GEMMA4OPT_PREFETCH", "1") != "0"
-_PREFETCH = {"on": PREFETCH_DEFAULT}
-
-
-def set_prefetch(on: bool) -> None:
-    _PREFETCH["on"] = bool(on)
-
-
-def prefetch_on() -> bool:
-    return _PREFETCH["on"]
-
-
 @functools.lru_cache(maxsize=None)
 def _pdl_capable(index: int) -> bool:
     return os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(index)[0] >= 9
@@ -54,8 +36,8 @@ def pdl_flags(t: torch.Tensor) -> dict:
 
 @triton.jit
 def pdl_prologue(PDL: tl.constexpr):
-    # Before any load or store but of weights (prefetch, above): the previous kernel's writes become
-    # visible here, and it may still be reading what this kernel overwrites until then. Dependents are let in at once: they too
+    # Before any load or store: the previous kernel's writes become visible here, and it may still
+    # be reading what this kernel overwrites until then. Dependents are let in at once: they too
     # wait here, so it only overlaps their launch with this kernel.
     if PDL:
         tl.extra.cuda.gdc_wait()

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels._util import pdl_flags, pdl_prologue, prefetch_on, rows_view
-from gemma4opt.kernels.skinny_linear import _out, bench_short, row_dot_w, w_tile
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue, rows_view
+from gemma4opt.kernels.skinny_linear import _out, bench_short, row_dot_tile
 
 MAX_ROWS = 32
 # The interpreter (CPU tests) runs one config, a while loop for K, and fp32 dot tiles (as in
@@ -32,15 +32,16 @@ _INTERPRETER_SPLIT = 2      # the one config the interpreter runs for 2+ rows (t
 
 
 @triton.jit
-def _x_dot(acc, w, X, k0, K, m, mmask, sxm,
-           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr):
-    """acc += x_q[:, k0:k0+BLOCK_K] @ w^T in fp32, w = W_q[rows, k0:k0+BLOCK_K] from w_tile (SWAP: its
-    transpose)."""
+def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr):
+    """acc += x_q[:, k0:k0+BLOCK_K] @ W_q[rows, k0:k0+BLOCK_K]^T in fp32 (SWAP: its transpose)."""
     if BLOCK_M == 1:
-        acc = row_dot_w(acc, w, X, k0, K, BLOCK_K)
+        acc = row_dot_tile(acc, X, w_rows, k0, K, nmask, BLOCK_K)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + m[:, None] * sxm + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
+        kmask = k < K
+        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        x = tl.load(X + m[:, None] * sxm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         if not COMPILED:
             x, w = x.to(tl.float32), w.to(tl.float32)
         # max_num_imprecise_acc=32: each fp8 wgmma (K = 32 per instruction) adds its partial to the
@@ -58,8 +59,9 @@ def _x_dot(acc, w, X, k0, K, m, mmask, sxm,
 def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr = False,
-                       PDL: tl.constexpr = False, CAP: tl.constexpr = 0.0, PREFETCH: tl.constexpr = False):
+                       PDL: tl.constexpr = False, CAP: tl.constexpr = 0.0):
     # ROWS (the row class: 1, 16 or 32) is not read: it keys the autotuner's choice per class.
+    pdl_prologue(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     w_rows = W + n.to(tl.int64)[:, None] * swn
@@ -73,12 +75,6 @@ def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS,
         chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
         lo = sk * chunk
         hi = tl.minimum(lo + chunk, K)
-    if PREFETCH:            # the first tile, before the wait (kernels/_util.py); multiplied last
-        w0 = w_tile(w_rows, lo, hi, nmask, BLOCK_K)
-        first = lo + BLOCK_K
-    else:
-        first = lo
-    pdl_prologue(PDL)
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N], tl.float32)
     elif SWAP:
@@ -86,17 +82,13 @@ def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS,
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if COMPILED:
-        for k0 in range(first, hi, BLOCK_K):
-            w = w_tile(w_rows, k0, hi, nmask, BLOCK_K)
-            acc = _x_dot(acc, w, X, k0, hi, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, SWAP)
+        for k0 in range(lo, hi, BLOCK_K):
+            acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, SWAP)
     else:           # the interpreter takes no runtime range() bound
-        k0 = first
+        k0 = lo
         while k0 < hi:
-            w = w_tile(w_rows, k0, hi, nmask, BLOCK_K)
-            acc = _x_dot(acc, w, X, k0, hi, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, SWAP)
+            acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, SWAP)
             k0 += BLOCK_K
-    if PREFETCH:
-        acc = _x_dot(acc, w0, X, lo, hi, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, SWAP)
     ws = tl.load(WS + n, mask=nmask, other=0.0)
     if BLOCK_M == 1:
         y = acc * tl.load(XS) * ws
@@ -205,7 +197,7 @@ def fp8_linear_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.T
         # Room for the most splits (a one-row dot tile may split too).
         part = torch.empty(MAX_SPLIT * M * N, dtype=torch.float32, device=x_fp8.device)
         args = (x2, xs, w_fp8, ws, y, part, M, N, K, x2.stride(0), w_fp8.stride(0), y.stride(0), bm)
-        flags = dict(COMPILED=_COMPILED, CAP=float(cap or 0.0), PREFETCH=prefetch_on(), **pdl_flags(y))
+        flags = dict(COMPILED=_COMPILED, CAP=float(cap or 0.0), **pdl_flags(y))
         if config is None and not _COMPILED:
             bn, split = (4, 1) if bm == 1 else (16, _INTERPRETER_SPLIT)
             config = dict(BLOCK_N=bn, BLOCK_K=32, SPLIT_K=split)

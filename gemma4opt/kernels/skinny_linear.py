@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from gemma4opt.kernels._util import pdl_flags, pdl_prologue, prefetch_on, rows_view
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue, rows_view
 from gemma4opt.kernels.softcap import softcap_rounded
 
 MAX_ROWS = 32
@@ -38,40 +38,30 @@ _INTERPRETER_SPLIT = 2      # the one config the interpreter runs for 2+ rows (t
 
 
 @triton.jit
-def w_tile(w_rows, k0, K, nmask, BLOCK_K: tl.constexpr):
-    """W[rows, k0:k0+BLOCK_K] (zeros past K and past the last row)."""
+def row_dot_tile(acc, A, w_rows, k0, K, nmask, BLOCK_K: tl.constexpr):
+    """acc[i] += W[row i, k0:k0+BLOCK_K] . a[k0:k0+BLOCK_K] in fp32: one row against many (one
+    decode row here; each (token, expert) pair in kernels/moe_experts.py)."""
     k = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(w_rows + k[None, :], mask=nmask[:, None] & (k < K)[None, :], other=0.0)
-
-
-@triton.jit
-def row_dot_w(acc, w, A, k0, K, BLOCK_K: tl.constexpr):
-    """acc[i] += w[i, :] . a[k0:k0+BLOCK_K] in fp32, w a tile loaded by w_tile."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    a = tl.load(A + k, mask=k < K, other=0.0)
+    kmask = k < K
+    w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+    a = tl.load(A + k, mask=kmask, other=0.0)
     return acc + tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], 1)
 
 
 @triton.jit
-def row_dot_tile(acc, A, w_rows, k0, K, nmask, BLOCK_K: tl.constexpr):
-    """acc[i] += W[row i, k0:k0+BLOCK_K] . a[k0:k0+BLOCK_K] in fp32: one row against many (one
-    decode row here; each (token, expert) pair in kernels/moe_experts.py)."""
-    return row_dot_w(acc, w_tile(w_rows, k0, K, nmask, BLOCK_K), A, k0, K, BLOCK_K)
-
-
-@triton.jit
-def _x_dot(acc, w, X, k0, K, m, mmask, sxm,
-           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, IEEE: tl.constexpr,
-           SWAP: tl.constexpr):
-    """acc += x[:, k0:k0+BLOCK_K] @ w^T, w = W[rows, k0:k0+BLOCK_K] from w_tile (SWAP: its transpose,
-    W rows as the dot's M side, so a 64+ row W tile can take Hopper's warpgroup MMA with the few x
-    rows as N)."""
+def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, IEEE: tl.constexpr,
+            SWAP: tl.constexpr):
+    """acc += x[:, k0:k0+BLOCK_K] @ W[rows, k0:k0+BLOCK_K]^T (SWAP: its transpose, W rows as the
+    dot's M side, so a 64+ row W tile can take Hopper's warpgroup MMA with the few x rows as N)."""
     # One return, at the end (no early return inside a constexpr if).
     if BLOCK_M == 1:
-        acc = row_dot_w(acc, w, X, k0, K, BLOCK_K)
+        acc = row_dot_tile(acc, X, w_rows, k0, K, nmask, BLOCK_K)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + m[:, None] * sxm + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
+        kmask = k < K
+        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        x = tl.load(X + m[:, None] * sxm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         if not COMPILED:
             x, w = x.to(tl.float32), w.to(tl.float32)
         if SWAP:
@@ -100,7 +90,8 @@ def _out(acc, dt, CAP: tl.constexpr):
 def _skinny_kernel(X, W, Y, P, M, N, K, sxm, swn, sym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                    COMPILED: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
-                   CAP: tl.constexpr = 0.0, PREFETCH: tl.constexpr = False):
+                   CAP: tl.constexpr = 0.0):
+    pdl_prologue(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     w_rows = W + n.to(tl.int64)[:, None] * swn
@@ -114,12 +105,6 @@ def _skinny_kernel(X, W, Y, P, M, N, K, sxm, swn, sym,
         chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
         lo = sk * chunk
         hi = tl.minimum(lo + chunk, K)
-    if PREFETCH:            # the first tile, before the wait (kernels/_util.py); multiplied last
-        w0 = w_tile(w_rows, lo, hi, nmask, BLOCK_K)
-        first = lo + BLOCK_K
-    else:
-        first = lo
-    pdl_prologue(PDL)
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N], tl.float32)
     elif SWAP:
@@ -127,17 +112,13 @@ def _skinny_kernel(X, W, Y, P, M, N, K, sxm, swn, sym,
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if COMPILED:
-        for k0 in range(first, hi, BLOCK_K):
-            w = w_tile(w_rows, k0, hi, nmask, BLOCK_K)
-            acc = _x_dot(acc, w, X, k0, hi, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, IEEE, SWAP)
+        for k0 in range(lo, hi, BLOCK_K):
+            acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, IEEE, SWAP)
     else:           # the interpreter takes no runtime range() bound
-        k0 = first
+        k0 = lo
         while k0 < hi:
-            w = w_tile(w_rows, k0, hi, nmask, BLOCK_K)
-            acc = _x_dot(acc, w, X, k0, hi, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, IEEE, SWAP)
+            acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, IEEE, SWAP)
             k0 += BLOCK_K
-    if PREFETCH:
-        acc = _x_dot(acc, w0, X, lo, hi, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, IEEE, SWAP)
     if BLOCK_M == 1:
         tl.store(Y + n, _out(acc, Y.dtype.element_ty, CAP), mask=nmask)
     else:
@@ -241,7 +222,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | N
         part = torch.empty(MAX_SPLIT * M * N if bm > 1 else 1, dtype=torch.float32, device=x.device)
         args = (x2, weight, y, part, M, N, K, x2.stride(0), weight.stride(0), y.stride(0))
         flags = dict(BLOCK_M=bm, COMPILED=_COMPILED, IEEE=x.dtype == torch.float32, CAP=float(cap or 0.0),
-                     PREFETCH=prefetch_on(), **pdl_flags(y))
+                     **pdl_flags(y))
         if config is None and not _COMPILED:
             bn, split = (4, 1) if bm == 1 else (16, _INTERPRETER_SPLIT)
             config = dict(BLOCK_N=bn, BLOCK_K=32, SPLIT_K=split)

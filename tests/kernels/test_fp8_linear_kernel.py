@@ -105,19 +105,6 @@ def test_explicit_tiles_transposed_or_split(swap, split, rows, n, k):
     close(fp8_linear_triton(xq, xs, wq, ws, torch.float32, cfg), xq, xs, wq, ws, torch.float32)
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-@pytest.mark.parametrize("rows,config", [(1, dict(BLOCK_N=8, BLOCK_K=32)), (1, dict(BLOCK_N=8, BLOCK_K=128)),
-                                         (3, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=4, SWAP=True))])
-def test_first_tile_prefetched_or_not_is_summed_once(monkeypatch, prefetch, rows, config):
-    """The first weight tile loaded ahead of the PDL wait and multiplied after the rest of K, or in
-    order: several tiles, one (K = 72 below the tile) and splits left empty (3 tiles over 4 splits)."""
-    from gemma4opt.kernels import _util
-
-    monkeypatch.setitem(_util._PREFETCH, "on", prefetch)
-    xq, xs, wq, ws = _operands(rows, 40, 72, seed=3)
-    close(fp8_linear_triton(xq, xs, wq, ws, torch.float32, config), xq, xs, wq, ws, torch.float32)
-
-
 @pytest.mark.parametrize("block_m,split", [(16, 1), (16, 3), (32, 2)])
 def test_one_row_through_the_dot_path(block_m, split):
     """One row padded to 16 or 32 for the tensor-core tile (its other rows masked), W rows as the

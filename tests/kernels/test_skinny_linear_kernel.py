@@ -102,20 +102,3 @@ def test_softcap_epilogue_matches_linear_then_softcap(monkeypatch, dtype, split,
         close(got, want, dtype)
     assert got.abs().max() <= 30.0 and (want.abs() > 20).any()      # the cap is applied, and it matters
     assert not torch.allclose(skinny_linear_triton(x, w).float(), want.float(), rtol=0.02, atol=0.02)
-
-
-@pytest.mark.parametrize("prefetch", [False, True])
-@pytest.mark.parametrize("split", [1, 4])
-@pytest.mark.parametrize("rows,n,k", [(1, 9, 20), (1, 33, 100), (3, 17, 40), (5, 70, 130)])
-def test_first_tile_prefetched_or_not_is_summed_once(monkeypatch, prefetch, split, rows, n, k):
-    """The first weight tile loaded ahead of the PDL wait and multiplied after the rest of K, or in
-    order: one tile (K below the tile), several, a short last one, and splits left empty (3 x 40)."""
-    import gemma4opt.kernels.skinny_linear as sl
-    from gemma4opt.kernels import _util
-
-    monkeypatch.setattr(sl, "_INTERPRETER_SPLIT", split)
-    monkeypatch.setitem(_util._PREFETCH, "on", prefetch)
-    g = torch.Generator().manual_seed(rows * 31 + k + split)
-    x = torch.randn(rows, k, generator=g).to(DEVICE)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE)
-    close(skinny_linear_triton(x, w), F.linear(x, w), torch.float32)
