@@ -237,6 +237,12 @@ def _decode_gemms(device: str, op_state: OpState) -> str:
     if gate_up_gelu.picks(op_state):
         text += "; MLP gate/up + gelu·mul at one row: " + _picks_line(
             gate_up_gelu, op_state, "the fused Triton GEMV", "the GEMM then the gelu·mul kernel", "rows", "")
+    from gemma4opt.ops import gelu_linear
+
+    if gelu_linear.picks(op_state):
+        text += "; gelu·mul into the next GEMM (MLP down, PLE projection): " + _picks_line(
+            gelu_linear, op_state, "the skinny GEMM making gelu·mul as it reads", "the gelu·mul kernel then the GEMM",
+            "rows", "")
     if linear_softcap.picks(op_state):
         text += "; lm_head + softcap: " + _picks_line(linear_softcap, op_state,
                                                        "the skinny GEMM with the softcap epilogue",

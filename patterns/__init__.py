@@ -5,15 +5,16 @@ match on the ops earlier ones produced (norm_rope and residual_norm match gemma4
 calls; gelu_tanh_mul reads the merged gate/up halves; paged_qkv fuses norm_rope's output with the
 paged cache's KV append; fp8_quant moves each fp8 GEMM input's quantization into the rms_norm,
 residual tail or gelu kernel that produced it; norm_add takes the norm + add sums residual_norm
-leaves; decode_linear runs after them, on the GEMMs merged_projections left, and gate_up_gelu last, on
-the MLP's gate/up gemma4opt.linear and its gelu_tanh_mul), so order matters. ``paged_only`` patterns run only with
+leaves; decode_linear runs after them, on the GEMMs merged_projections left, then gate_up_gelu, on the
+MLP's gate/up gemma4opt.linear and its gelu_tanh_mul, and gelu_linear, on the PLE gelu_tanh_mul and
+the gemma4opt.linear it feeds), so order matters. ``paged_only`` patterns run only with
 attention="paged", ``quantized_only`` ones only with quantization="fp8".
 """
 from __future__ import annotations
 
 PATTERN_NAMES = ("rms_norm", "merged_projections", "norm_rope", "paged_qkv", "gelu_tanh_mul", "residual_norm",
                  "norm_add", "fp8_quant", "moe_router", "moe_experts", "logit_softcap", "decode_linear",
-                 "gate_up_gelu")
+                 "gate_up_gelu", "gelu_linear")
 
 
 def build_patterns(quantization: str | None = None, quantize_lm_head: bool = False) -> dict:
@@ -22,6 +23,7 @@ def build_patterns(quantization: str | None = None, quantize_lm_head: bool = Fal
     from .decode_linear import DecodeLinearPattern
     from .fp8_quant import Fp8QuantPattern
     from .gate_up_gelu import GateUpGeluPattern
+    from .gelu_linear import GeluLinearPattern
     from .gelu_tanh_mul import GeluTanhMulPattern
     from .logit_softcap import LogitSoftcapPattern
     from .merged_projections import MergedProjectionsPattern
@@ -35,7 +37,7 @@ def build_patterns(quantization: str | None = None, quantize_lm_head: bool = Fal
 
     classes = [RMSNormPattern, MergedProjectionsPattern, NormRopePattern, PagedQKVPattern, GeluTanhMulPattern,
                ResidualNormPattern, NormAddPattern, Fp8QuantPattern, MoeRouterPattern, MoeExpertsPattern, LogitSoftcapPattern,
-               DecodeLinearPattern, GateUpGeluPattern]
+               DecodeLinearPattern, GateUpGeluPattern, GeluLinearPattern]
     patterns = [cls(quantization, quantize_lm_head) for cls in classes]
     assert tuple(p.name for p in patterns) == PATTERN_NAMES
     return {p.name: p for p in patterns}

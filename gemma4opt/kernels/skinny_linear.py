@@ -27,6 +27,7 @@ import triton.language as tl
 import triton.testing
 
 from gemma4opt.kernels._util import pdl_flags, pdl_prologue, rows_view
+from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_rounded
 from gemma4opt.kernels.softcap import softcap_rounded
 
 MAX_ROWS = 32
@@ -49,19 +50,37 @@ def row_dot_tile(acc, A, w_rows, k0, K, nmask, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm,
+def _x_tile(X, U, x_off, u_off, mask, GELU: tl.constexpr):
+    """The GEMM's input tile; with GELU, gelu_tanh(x) * u made here, rounded exactly as
+    kernels/gelu_tanh_mul.py's kernel rounds it (ops/gelu_linear.py: that kernel's launch saved)."""
+    x = tl.load(X + x_off, mask=mask, other=0.0)
+    if GELU:
+        u = tl.load(U + u_off, mask=mask, other=0.0)
+        x = (gelu_tanh_rounded(x.to(tl.float32), x.dtype) * u.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _k_tile(acc, X, U, w_rows, k0, K, nmask, m, mmask, sxm, sum_,
             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, IEEE: tl.constexpr,
-            SWAP: tl.constexpr):
+            SWAP: tl.constexpr, GELU: tl.constexpr):
     """acc += x[:, k0:k0+BLOCK_K] @ W[rows, k0:k0+BLOCK_K]^T (SWAP: its transpose, W rows as the
     dot's M side, so a 64+ row W tile can take Hopper's warpgroup MMA with the few x rows as N)."""
     # One return, at the end (no early return inside a constexpr if).
-    if BLOCK_M == 1:
+    if BLOCK_M == 1 and not GELU:
         acc = row_dot_tile(acc, X, w_rows, k0, K, nmask, BLOCK_K)
+    elif BLOCK_M == 1:      # row_dot_tile's sum, on the gelu·mul input
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        a = _x_tile(X, U, k, k, kmask, GELU)
+        acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], 1)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < K
         w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        x = tl.load(X + m[:, None] * sxm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        x = _x_tile(X, U, m[:, None] * sxm + k[None, :], m[:, None] * sum_ + k[None, :],
+                    mmask[:, None] & kmask[None, :], GELU)
         if not COMPILED:
             x, w = x.to(tl.float32), w.to(tl.float32)
         if SWAP:
@@ -87,10 +106,11 @@ def _out(acc, dt, CAP: tl.constexpr):
 
 
 @triton.jit
-def _skinny_kernel(X, W, Y, P, M, N, K, sxm, swn, sym,
+def _skinny_kernel(X, U, W, Y, P, M, N, K, sxm, sum_, swn, sym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                    COMPILED: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
-                   CAP: tl.constexpr = 0.0):
+                   CAP: tl.constexpr = 0.0, GELU: tl.constexpr = False):
+    # GELU: the input is gelu_tanh(X) * U (X, U of one shape; row strides sxm, sum_); else U is unread.
     pdl_prologue(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
@@ -113,11 +133,13 @@ def _skinny_kernel(X, W, Y, P, M, N, K, sxm, swn, sym,
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if COMPILED:
         for k0 in range(lo, hi, BLOCK_K):
-            acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, IEEE, SWAP)
+            acc = _k_tile(acc, X, U, w_rows, k0, hi, nmask, m, mmask, sxm, sum_, BLOCK_M, BLOCK_K, COMPILED, IEEE,
+                          SWAP, GELU)
     else:           # the interpreter takes no runtime range() bound
         k0 = lo
         while k0 < hi:
-            acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, IEEE, SWAP)
+            acc = _k_tile(acc, X, U, w_rows, k0, hi, nmask, m, mmask, sxm, sum_, BLOCK_M, BLOCK_K, COMPILED, IEEE,
+                          SWAP, GELU)
             k0 += BLOCK_K
     if BLOCK_M == 1:
         tl.store(Y + n, _out(acc, Y.dtype.element_ty, CAP), mask=nmask)
@@ -201,9 +223,10 @@ _tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M"], do_bench=b
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None,
-                         cap: float | None = None) -> torch.Tensor:
+                         cap: float | None = None, up: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] with at most MAX_ROWS rows in all, weight [N, K] (unit stride along K) -> [..., N];
-    with ``cap``, the logit softcap tanh(y / cap) * cap applied as the GEMM's epilogue (lm_head).
+    with ``cap``, the logit softcap tanh(y / cap) * cap applied as the GEMM's epilogue (lm_head);
+    with ``up`` (x's shape), the GEMM of gelu_tanh(x) * up, made tile by tile as it is read.
 
     ``config`` runs one tile instead of the autotuned one (benchmark sweeps, tests): BLOCK_N,
     BLOCK_K, and optionally SPLIT_K, SWAP, num_warps, num_stages."""
@@ -215,14 +238,17 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | N
     if weight.shape[1] != K or weight.stride(1) != 1:
         raise ValueError(f"gemma4opt skinny_linear: weight {tuple(weight.shape)} (stride {weight.stride()}) "
                          f"does not match x [..., {K}] with unit stride along K")
+    if up is not None and up.shape != x.shape:
+        raise ValueError(f"gemma4opt skinny_linear: up {tuple(up.shape)} is not x's shape {tuple(x.shape)}")
+    u2 = x2 if up is None else rows_view(up)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M and N:
         bm = 1 if M == 1 else 16 if M <= 16 else 32
         # Room for the most splits any config may take; a config with fewer uses the first ones.
         part = torch.empty(MAX_SPLIT * M * N if bm > 1 else 1, dtype=torch.float32, device=x.device)
-        args = (x2, weight, y, part, M, N, K, x2.stride(0), weight.stride(0), y.stride(0))
+        args = (x2, u2, weight, y, part, M, N, K, x2.stride(0), u2.stride(0), weight.stride(0), y.stride(0))
         flags = dict(BLOCK_M=bm, COMPILED=_COMPILED, IEEE=x.dtype == torch.float32, CAP=float(cap or 0.0),
-                     **pdl_flags(y))
+                     GELU=up is not None, **pdl_flags(y))
         if config is None and not _COMPILED:
             bn, split = (4, 1) if bm == 1 else (16, _INTERPRETER_SPLIT)
             config = dict(BLOCK_N=bn, BLOCK_K=32, SPLIT_K=split)

@@ -4,6 +4,7 @@ from gemma4opt.ops import (  # noqa: F401
     add_rms_norm_quant,
     fp8_linear,
     gate_up_gelu,
+    gelu_linear,
     gelu_tanh_mul,
     gelu_tanh_mul_quant,
     kv_append,

@@ -78,3 +78,27 @@ def test_gate_up_gelu_op_equals_hf_math(rows, i, h):
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
     assert ((rows, 2 * i, h, torch.bfloat16, 0) in gug.picks()) == (rows == 1)
     assert not gug.failures()
+
+
+@pytest.mark.parametrize("rows", [1, 4, 40])
+@pytest.mark.parametrize("n,k", [(2560, 256), (1536, 256)])     # e4b's and e2b's PLE projection
+def test_gelu_linear_op_equals_the_two_ops(rows, n, k):
+    """The PLE gelu·mul + projection op at real dimensions, whichever path the shape picked: the
+    fused GEMM's input is the gelu·mul kernel's bits (the skinny GEMM of them, same tile, equal);
+    more than 32 rows never reach the pick."""
+    from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_mul_triton
+    from gemma4opt.kernels.skinny_linear import skinny_linear_triton
+    from gemma4opt.ops import gelu_linear as gl
+
+    torch.manual_seed(n + rows)
+    gate = torch.randn(rows, 1, k, device="cuda", dtype=torch.bfloat16)
+    up = torch.randn(rows, 1, k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
+    got = torch.ops.gemma4opt.gelu_linear(gate, up, w)
+    act = gelu_tanh_mul_triton(gate, up)
+    assert got.shape == (rows, 1, n) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), F.linear(act.float(), w.float()), rtol=2e-2, atol=2e-2)
+    if rows <= 32:
+        assert torch.equal(skinny_linear_triton(gate, w, up=up), skinny_linear_triton(act, w))
+    assert ((rows, n, k, torch.bfloat16, 0) in gl.picks()) == (rows <= 32)
+    assert not gl.failures()

@@ -102,3 +102,41 @@ def test_softcap_epilogue_matches_linear_then_softcap(monkeypatch, dtype, split,
         close(got, want, dtype)
     assert got.abs().max() <= 30.0 and (want.abs() > 20).any()      # the cap is applied, and it matters
     assert not torch.allclose(skinny_linear_triton(x, w).float(), want.float(), rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("rows,n,k", [(1, 9, 70), (3, 17, 64), (20, 33, 45)])
+def test_gelu_input_is_the_gelu_kernels_bits(monkeypatch, dtype, split, rows, n, k):
+    """With ``up``, the GEMM of gelu_tanh(x) * up made tile by tile: bit for bit the GEMM of what the
+    gelu·mul kernel writes (the same roundings, the same tile), on halves of a merged output."""
+    import gemma4opt.kernels.skinny_linear as sl
+    from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_mul_triton
+
+    monkeypatch.setattr(sl, "_INTERPRETER_SPLIT", split)
+    g = torch.Generator().manual_seed(rows + n + split)
+    gu = (torch.randn(rows, 2 * k, generator=g) * 2).to(dtype).to(DEVICE)
+    gate, up = gu[:, :k], gu[:, k:]
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).to(DEVICE)
+    got = skinny_linear_triton(gate, w, up=up)
+    act = gelu_tanh_mul_triton(gate, up)        # tested against HF's gelu·mul in its own file
+    assert torch.equal(got, skinny_linear_triton(act, w))
+    close(got, F.linear(act.float(), w.float()).to(dtype), dtype)
+
+
+def test_gelu_input_needs_up_of_the_same_shape():
+    x, w = torch.randn(2, 8, device=DEVICE), torch.randn(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="is not x's shape"):
+        skinny_linear_triton(x, w, up=x[:1])
+
+
+def test_gelu_linear_op_is_the_two_ops_off_cuda():
+    """The op's CPU path (the reference): gelu_tanh_mul then linear, exactly, broadcast ``up`` too."""
+    import gemma4opt.ops  # noqa: F401
+
+    g = torch.Generator().manual_seed(5)
+    gate = torch.randn(2, 1, 24, generator=g).to(torch.bfloat16)
+    w = torch.randn(10, 24, generator=g).to(torch.bfloat16)
+    for up in (torch.randn(2, 1, 24, generator=g).to(torch.bfloat16), torch.randn(24, generator=g).to(torch.bfloat16)):
+        want = F.linear(F.gelu(gate, approximate="tanh") * up, w)
+        assert torch.equal(torch.ops.gemma4opt.gelu_linear(gate, up, w), want)

@@ -12,7 +12,8 @@ from tests.patterns.helpers import Compiled
 NEEDS = {"norm_rope": ["rms_norm"], "residual_norm": ["rms_norm"], "moe_router": ["rms_norm"],
          "norm_add": ["rms_norm", "residual_norm"],
          "gelu_tanh_mul": ["merged_projections"],
-         "gate_up_gelu": ["merged_projections", "gelu_tanh_mul", "decode_linear"]}
+         "gate_up_gelu": ["merged_projections", "gelu_tanh_mul", "decode_linear"],
+         "gelu_linear": ["merged_projections", "gelu_tanh_mul", "decode_linear"]}
 # Ops of the fused blocks that must not survive the pass.
 GONE = {"gelu_tanh_mul": ["gelu"], "norm_rope": ["neg"], "logit_softcap": ["tanh"],
         "moe_router": ["topk", "softmax", "itruediv"], "residual_norm": ["imul"],
@@ -101,6 +102,7 @@ def test_all_patterns_together_leave_no_norm_math():
     assert fused["add_rms_norm"] == 2 * L
     assert fused["norm_add"] == L + 1       # each post-feedforward tail, and the PLE inputs' combine
     assert fused["linear_softcap"] == 1
+    assert fused["gelu_linear"] == L        # each layer's PLE gelu·mul, inside its projection
 
 
 def test_merged_weights_are_views_not_copies():

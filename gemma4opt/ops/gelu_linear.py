@@ -1,0 +1,66 @@
+"""gemma4opt::gelu_linear — a GEMM whose input is a gelu·mul, one op:
+
+    y = gemma4opt.linear(gemma4opt.gelu_tanh_mul(gate, up), W)       # an MLP's down, the PLE projection
+
+On CUDA with at most 32 rows (decode) each shape runs whichever was faster when both were timed as
+a decode step runs them (ops/pick.py's time_in_graph), on its first call, and only if their results
+matched: the skinny Triton GEMM making gelu_tanh(gate) * up tile by tile as it reads its input
+(kernels/skinny_linear.py, one launch; the same roundings as the gelu·mul kernel, so the same
+input bits) or the two ops above (two launches, the GEMM its own pick). More rows, other shapes
+(``up`` broadcast) and CPU: the two ops.
+"""
+from __future__ import annotations
+
+import torch
+
+from gemma4opt.ops.pick import check_close, time_in_graph
+from gemma4opt.ops.state import picks_api, picks_for
+
+MAX_ROWS = 32
+
+picks, failures = picks_api("gelu_linear")
+
+
+@torch.library.custom_op("gemma4opt::gelu_linear", mutates_args=())
+def gelu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return gelu_linear_reference(gate, up, weight)
+
+
+def gelu_linear_reference(gate, up, weight):
+    """The ops it replaced, as the unfused graph calls them."""
+    return torch.ops.gemma4opt.linear(torch.ops.gemma4opt.gelu_tanh_mul(gate, up), weight)
+
+
+@gelu_linear.register_fake
+def _(gate, up, weight):
+    shape = torch.broadcast_shapes(gate.shape, up.shape)
+    return gate.new_empty((*shape[:-1], weight.shape[0]))
+
+
+def _time_both(gate, up, weight) -> tuple[float, float]:
+    from gemma4opt.kernels.skinny_linear import skinny_linear_triton
+
+    check_close(skinny_linear_triton(gate, weight, up=up), gelu_linear_reference(gate, up, weight),
+                what="skinny GEMM of gelu·mul", other="gelu_tanh_mul + gemma4opt.linear")
+    return time_in_graph(lambda w: skinny_linear_triton(gate, w, up=up),
+                         lambda w: gelu_linear_reference(gate, up, w), weight)
+
+
+def runs_triton(gate, up, weight) -> bool:
+    """Whether this CUDA call runs the fused GEMM: decode rows, gate and up of one shape, a 16-bit
+    dtype, unit-stride weight rows, and a shape the active model's picks give to it (timed now if new)."""
+    rows = gate.numel() // max(gate.shape[-1], 1)
+    if not (0 < rows <= MAX_ROWS and gate.shape == up.shape and weight.stride(-1) == 1
+            and gate.dtype in (torch.bfloat16, torch.float16) and up.dtype == gate.dtype == weight.dtype):
+        return False
+    key = (rows, weight.shape[0], weight.shape[1], gate.dtype, gate.device.index)
+    return picks_for("gelu_linear").pick(key, lambda: _time_both(gate, up, weight))
+
+
+@gelu_linear.register_kernel("cuda")
+def _(gate, up, weight):
+    if runs_triton(gate, up, weight):
+        from gemma4opt.kernels.skinny_linear import skinny_linear_triton
+
+        return skinny_linear_triton(gate, weight, up=up)
+    return gelu_linear_reference(gate, up, weight)
