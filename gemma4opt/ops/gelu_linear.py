@@ -8,6 +8,9 @@ matched: the skinny Triton GEMM making gelu_tanh(gate) * up tile by tile as it r
 (kernels/skinny_linear.py, one launch; the same roundings as the gelu·mul kernel, so the same
 input bits) or the two ops above (two launches, the GEMM its own pick). More rows, other shapes
 (``up`` broadcast) and CPU: the two ops.
+
+gemma4opt::gate_up_gelu_linear is a dense MLP after gate_up_gelu, ``linear(gate_up_gelu(x, W_gu), W_down)``:
+its gate/up either ends in the fused GEMV's epilogue or, where that lost its pick, in the down GEMM.
 """
 from __future__ import annotations
 
@@ -64,3 +67,34 @@ def _(gate, up, weight):
 
         return skinny_linear_triton(gate, weight, up=up)
     return gelu_linear_reference(gate, up, weight)
+
+
+@torch.library.custom_op("gemma4opt::gate_up_gelu_linear", mutates_args=())
+def gate_up_gelu_linear(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    return gate_up_gelu_linear_reference(x, w_gate_up, w_down)
+
+
+def gate_up_gelu_linear_reference(x, w_gate_up, w_down):
+    """A dense MLP as the graph calls it after gate_up_gelu: its fused gate/up + gelu·mul, then down."""
+    return torch.ops.gemma4opt.linear(torch.ops.gemma4opt.gate_up_gelu(x, w_gate_up), w_down)
+
+
+@gate_up_gelu_linear.register_fake
+def _(x, w_gate_up, w_down):
+    return x.new_empty((*x.shape[:-1], w_down.shape[0]))
+
+
+@gate_up_gelu_linear.register_kernel("cuda")
+def _(x, w_gate_up, w_down):
+    """gate_up_gelu's pick first: where its fused GEMV (gelu·mul in the epilogue) runs, the down GEMM
+    follows it; where it would run the gate/up GEMM then the gelu·mul kernel, the gelu·mul goes into
+    the down GEMM instead (this op's own pick): two launches either way, where there were three."""
+    from gemma4opt.ops import gate_up_gelu as gug
+
+    if gug.runs_triton(x, w_gate_up):
+        from gemma4opt.kernels.gate_up_gelu import gate_up_gelu_triton
+
+        return torch.ops.gemma4opt.linear(gate_up_gelu_triton(x, w_gate_up), w_down)
+    y = torch.ops.gemma4opt.linear(x, w_gate_up)
+    i = w_gate_up.shape[0] // 2
+    return torch.ops.gemma4opt.gelu_linear(y[..., :i], y[..., i:], w_down)

@@ -102,3 +102,23 @@ def test_gelu_linear_op_equals_the_two_ops(rows, n, k):
         assert torch.equal(skinny_linear_triton(gate, w, up=up), skinny_linear_triton(act, w))
     assert ((rows, n, k, torch.bfloat16, 0) in gl.picks()) == (rows <= 32)
     assert not gl.failures()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 40])
+@pytest.mark.parametrize("i,h", [(10240, 2560), (2112, 2816)])      # e4b's and the 26b-a4b's dense MLP
+def test_gate_up_gelu_linear_op_equals_hf_math(rows, i, h):
+    """A dense MLP as one op at real dimensions, whichever paths its picks took: gate_up_gelu's fused
+    GEMV then down, or the gate/up GEMM then down with the gelu·mul made inside it."""
+    from gemma4opt.ops import gelu_linear as gl
+
+    torch.manual_seed(i + rows)
+    x = torch.randn(rows, 1, h, device="cuda", dtype=torch.bfloat16)
+    w_gu = (torch.randn(2 * i, h, device="cuda") / h ** 0.5).to(torch.bfloat16)
+    w_d = (torch.randn(h, i, device="cuda") / i ** 0.5).to(torch.bfloat16)
+    got = torch.ops.gemma4opt.gate_up_gelu_linear(x, w_gu, w_d)
+    y = F.linear(x.float(), w_gu.float()).to(torch.bfloat16)
+    act = F.gelu(y[..., :i], approximate="tanh") * y[..., i:]
+    want = F.linear(act.float(), w_d.float())
+    assert got.shape == (rows, 1, h) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+    assert not gl.failures()

@@ -140,3 +140,16 @@ def test_gelu_linear_op_is_the_two_ops_off_cuda():
     for up in (torch.randn(2, 1, 24, generator=g).to(torch.bfloat16), torch.randn(24, generator=g).to(torch.bfloat16)):
         want = F.linear(F.gelu(gate, approximate="tanh") * up, w)
         assert torch.equal(torch.ops.gemma4opt.gelu_linear(gate, up, w), want)
+
+
+def test_gate_up_gelu_linear_op_is_the_mlp_off_cuda():
+    """A dense MLP as one op (gate/up, gelu·mul, down): on CPU exactly HF's ops."""
+    import gemma4opt.ops  # noqa: F401
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 1, 16, generator=g).to(torch.bfloat16)
+    w_gu = torch.randn(2 * 24, 16, generator=g).to(torch.bfloat16)
+    w_d = torch.randn(16, 24, generator=g).to(torch.bfloat16)
+    y = F.linear(x, w_gu)
+    want = F.linear(F.gelu(y[..., :24], approximate="tanh") * y[..., 24:], w_d)
+    assert torch.equal(torch.ops.gemma4opt.gate_up_gelu_linear(x, w_gu, w_d), want)

@@ -103,6 +103,7 @@ def test_all_patterns_together_leave_no_norm_math():
     assert fused["norm_add"] == L + 1       # each post-feedforward tail, and the PLE inputs' combine
     assert fused["linear_softcap"] == 1
     assert fused["gelu_linear"] == L        # each layer's PLE gelu·mul, inside its projection
+    assert fused["gate_up_gelu_linear"] == L and fused["gate_up_gelu"] == 0     # each MLP's, with its down
 
 
 def test_merged_weights_are_views_not_copies():
