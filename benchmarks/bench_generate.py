@@ -105,6 +105,8 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      # (the margin it must beat cuBLAS by made unbeatable): is the isolated timing's pick
                      # the faster one inside the decode graph?
                      "gemma4opt-triton-gemms": dict(margins={"linear": 1e9, "linear_softcap": 1e9}),
+                     # Every gelu·mul its own launch (no gelu_linear): that fusion's share.
+                     "gemma4opt-no-gelu-linear": dict(patterns=tuple(p for p in PATTERN_NAMES if p != "gelu_linear")),
                      # Every gemma4opt kernel launched plainly: programmatic dependent launch's share.
                      "gemma4opt-paged-nopdl": dict(attention="paged", pdl=False),
                      # FP8 (e4m3) weights of the attention and dense-MLP projections; "-kv8": and the KV pool.
