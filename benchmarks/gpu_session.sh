@@ -70,7 +70,7 @@
 #   e4b-static  the e4b at batch 1: eager, HF static cache + torch.compile, the one-liner (320 s).
 #   gelu-linear  the gelu·mul inside the GEMM it feeds: its kernel and op tests (100 s), then the e4b at batch 1
 #              without and with it, against eager and HF static cache + torch.compile (450 s). gelu-linear-ab: the
-#              same without HF static cache + compile (90 + 270 s).
+#              same without HF static cache + compile (70 + 210 s).
 #   speed-31b-full-fp8  the 60-layer 31b at batch 1: HF static cache + torch.compile, then fp8 weights, lm_head
 #              and KV (590 s).
 #   tp         on nvidia-h200-x2 only: tests/gpu/test_gpu_tensor_parallel.py (two ranks over NCCL, every
@@ -264,8 +264,8 @@ for s in "$@"; do
       stage gelu-linear-e4b 450 $GEN e4b --batch 1 --systems eager static_compile gemma4opt-no-gelu-linear gemma4opt \
             --json "$OUT/generate.jsonl" ;;
     gelu-linear-ab)     # the same without HF static cache + compile (a short device budget)
-      stage gelu-linear-tests 90 $PYTEST tests/gpu/test_gpu_linear.py tests/kernels/test_skinny_linear_kernel.py -k gelu
-      stage gelu-linear-e4b 270 $GEN e4b --batch 1 --systems eager gemma4opt-no-gelu-linear gemma4opt \
+      stage gelu-linear-tests 70 $PYTEST tests/gpu/test_gpu_linear.py tests/kernels/test_skinny_linear_kernel.py -k gelu
+      stage gelu-linear-e4b 210 $GEN e4b --batch 1 --systems eager gemma4opt-no-gelu-linear gemma4opt \
             --json "$OUT/generate.jsonl" ;;
     speed-31b-full-fp8)
       # 60 layers with fp8 weights, lm_head and KV: quantized in place (last), one bf16 module at a time.
