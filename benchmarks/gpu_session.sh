@@ -71,6 +71,8 @@
 #   gelu-linear  the gelu·mul inside the GEMM it feeds: its kernel and op tests (100 s), then the e4b at batch 1
 #              without and with it, against eager and HF static cache + torch.compile (450 s). gelu-linear-ab: the
 #              same without HF static cache + compile (70 + 210 s).
+#   whole-k-ab  the skinny GEMM's whole-K tiles at one row: their kernel tests (100 s), the e4b at batch 1
+#              without and with them, against eager (230 s), the 26b-a4b at batch 1 without and with (200 s).
 #   speed-31b-full-fp8  the 60-layer 31b at batch 1: HF static cache + torch.compile, then fp8 weights, lm_head
 #              and KV (590 s).
 #   tp         on nvidia-h200-x2 only: tests/gpu/test_gpu_tensor_parallel.py (two ranks over NCCL, every
@@ -267,6 +269,12 @@ for s in "$@"; do
       stage gelu-linear-tests 70 $PYTEST tests/gpu/test_gpu_linear.py tests/kernels/test_skinny_linear_kernel.py -k gelu
       stage gelu-linear-e4b 210 $GEN e4b --batch 1 --systems eager gemma4opt-no-gelu-linear gemma4opt \
             --json "$OUT/generate.jsonl" ;;
+    whole-k-ab)     # the one-row GEMM tiles that load all of K at once: with and without them
+      stage whole-k-tests 100 $PYTEST tests/kernels/test_skinny_linear_kernel.py -k "whole_k or matches_f_linear"
+      stage whole-k-e4b 230 $GEN e4b --batch 1 --systems eager gemma4opt-no-whole-k gemma4opt \
+            --json "$OUT/generate.jsonl"
+      stage whole-k-26b 200 $GEN 26b-a4b --batch 1 --systems gemma4opt-no-whole-k gemma4opt \
+            --json "$OUT/generate.jsonl" ;;
     speed-31b-full-fp8)
       # 60 layers with fp8 weights, lm_head and KV: quantized in place (last), one bf16 module at a time.
       stage speed-31b-full-fp8 590 $GEN 31b --batch 1 --systems static_compile gemma4opt-fp8-kv8-head \
@@ -327,6 +335,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, speed-31b-full-fp8)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8)" ;;
   esac
 done

@@ -179,17 +179,25 @@ def _split_sum_kernel(P, Y, M, N, sym, SPLIT_K: tl.constexpr, BLOCK: tl.constexp
 # 64 programs of 4 rows, where its 1.3 MB need ~0.3) fill more SMs.
 _ROW_SUM = [(bn, bk, w, 1, 3, False) for bn in (4, 8, 16) for bk in (512, 1024) for w in (4, 8)]
 _ROW_SUM += [(2, 512, 4, 1, 3, False), (2, 1024, 4, 1, 3, False)]
+# Whole-K tiles at one row: one or two W rows a program, all of K in one load (one trip to memory
+# where the tiles above take K / BLOCK_K dependent-ish trips: latency, not bytes, bounds a small
+# GEMM at one row). One stage: the loop runs once. ``_keep`` offers a shape only the one BLOCK_K
+# that just covers its K (K / 2 < BLOCK_K <= K rounded up), so each adds two or three configs.
+WHOLE_K = (2048, 4096, 8192, 16384)
+_WHOLE = [(bn, bk, w, 1, 1, False) for bk in WHOLE_K for bn, w in ((1, 4), (1, 8), (2, 8))
+          if bk * bn // (32 * w) <= 64]        # at most 64 weight elements a thread: no spills
 _DOT = [(64, 128, 4, 1, 3, True), (64, 128, 4, 1, 5, True), (64, 64, 4, 1, 5, True), (128, 64, 8, 1, 3, True),
         (128, 128, 8, 2, 5, True), (64, 128, 4, 2, 3, True), (64, 128, 4, 4, 3, True), (64, 64, 4, 4, 5, True),
         (16, 256, 4, 1, 3, False), (32, 128, 4, 4, 3, False)]
 MAX_SPLIT = 4
 
 
-def tile_configs(row_sum: list[tuple], dot: list[tuple]):
+def tile_configs(row_sum: list[tuple], dot: list[tuple], whole_k: list[tuple] = ()):
     """Autotune configs from (BLOCK_N, BLOCK_K, warps, splits, stages, SWAP) tuples, and the prune
-    that keeps the row-sum path's configs for one row and tl.dot's for more."""
+    that keeps the row-sum path's configs for one row and tl.dot's for more; ``whole_k`` ones join
+    the row-sum configs of a K they cover in one tile (while ``use_whole_k()`` is on)."""
     configs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "SWAP": swap}, num_warps=w, num_stages=st)
-               for bn, bk, w, sk, st, swap in dict.fromkeys(row_sum + dot)]
+               for bn, bk, w, sk, st, swap in dict.fromkeys(row_sum + dot + list(whole_k))]
 
     def key(c):
         k = c.kwargs
@@ -198,6 +206,9 @@ def tile_configs(row_sum: list[tuple], dot: list[tuple]):
     def keep(configs, named_args, **kwargs):
         bm = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
         want = set(row_sum if bm == 1 else dot)
+        if bm == 1 and _WHOLE_K_ON[0]:
+            K = named_args["K"]
+            want |= {t for t in whole_k if t[1] // 2 < K <= t[1]}
         return [c for c in configs if key(c) in want] or configs
 
     return configs, keep
@@ -217,7 +228,18 @@ def _sum_splits(nargs, exception=None):
                                                      BLOCK=512, CAP=nargs.get("CAP", 0.0), **pdl_flags(y))
 
 
-_CONFIGS, _keep = tile_configs(_ROW_SUM, _DOT)
+_WHOLE_K_ON = [True]
+
+
+def use_whole_k(on: bool) -> None:
+    """Offer the whole-K tiles at one row or not (benchmarks: their share). Forgets the tuned tiles,
+    which were picked with or without them."""
+    if _WHOLE_K_ON[0] != on:
+        _WHOLE_K_ON[0] = on
+        _tuned.cache.clear()
+
+
+_CONFIGS, _keep = tile_configs(_ROW_SUM, _DOT, _WHOLE)
 _tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M"], do_bench=bench_short, post_hook=_sum_splits,
                          prune_configs_by={"early_config_prune": _keep})(_skinny_kernel)
 

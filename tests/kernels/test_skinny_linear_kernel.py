@@ -1,8 +1,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from gemma4opt.kernels.skinny_linear import MAX_ROWS, skinny_linear_triton
+from gemma4opt.ops.gelu_tanh_mul import gelu_tanh_mul_reference as gelu_tanh_mul_ref
 from tests.kernels.conftest import DEVICE, DTYPES, close
 
 
@@ -72,6 +74,41 @@ def test_explicit_tiles_transposed_or_split(swap, split, rows, n, k):
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE)
     cfg = dict(BLOCK_N=16 if n < 64 else 64, BLOCK_K=32, SPLIT_K=split, SWAP=swap)
     close(skinny_linear_triton(x, w, cfg), F.linear(x, w), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_n", [1, 2])
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("n,k", [(7, 37), (33, 64), (5, 100)])
+def test_whole_k_tile_at_one_row(dtype, block_n, gelu, n, k):
+    """The one-row tiles that load all of K at once (BLOCK_K >= K, masked, one stage), N odd, with
+    and without the gelu·mul input: the same sums as F.linear."""
+    g = torch.Generator().manual_seed(n * 7 + k + block_n + gelu)
+    x = torch.randn(1, k, generator=g).to(dtype).to(DEVICE)
+    up = torch.randn(1, k, generator=g).to(dtype).to(DEVICE) if gelu else None
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).to(DEVICE)
+    cfg = dict(BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(k), num_stages=1)
+    a = gelu_tanh_mul_ref(x, up) if gelu else x
+    close(skinny_linear_triton(x, w, cfg, up=up), F.linear(a.float(), w.float()).to(dtype), dtype)
+
+
+def test_whole_k_tiles_are_offered_for_the_k_they_cover():
+    from gemma4opt.kernels import skinny_linear as sl
+
+    def offered(K, bm=1):
+        return {(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages)
+                for c in sl._keep(sl._CONFIGS, dict(K=K, BLOCK_M=bm)) if c.kwargs["BLOCK_K"] in sl.WHOLE_K}
+    assert {bk for _, bk, _ in offered(2560)} == {4096}        # e4b's q/k/v, PLE gate: K 2560
+    assert {bk for _, bk, _ in offered(2048)} == {2048}
+    assert {bk for _, bk, _ in offered(10240)} == {16384}      # e4b's MLP down
+    assert all(st == 1 for _, _, st in offered(2560))
+    assert offered(256) == set() and offered(40000) == set()    # nothing covers 256 alone, or 40000
+    assert offered(2560, bm=16) == set()                        # the tensor-core path keeps its tiles
+    sl.use_whole_k(False)
+    try:
+        assert offered(2560) == set()
+    finally:
+        sl.use_whole_k(True)
 
 
 def test_explicit_tile_refuses_what_it_cannot_run():
