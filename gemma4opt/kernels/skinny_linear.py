@@ -8,7 +8,8 @@ Here each program owns BLOCK_N rows of W and walks all of K (at one row always; 
 autotuner may split K, below): W is read once, in long contiguous runs. The tile shape is autotuned
 per (N, K, row class) on the first call, which decode graphs make eagerly before capturing.
 
-M == 1: an fp32 multiply-and-row-sum (tensor cores would idle 15 of 16 rows). 2 <= M <= 32:
+M == 1: an fp32 multiply-and-row-sum (tensor cores would idle 15 of 16 rows), K walked in tiles or,
+where K fits one (``_WHOLE``), loaded whole in one trip to memory. 2 <= M <= 32:
 ``tl.dot`` with W's rows as the dot's M side and x's rows (padded to 16 or 32, masked) as its N
 side, cuBLAS's own layout for these shapes ("TNT" tiles of 128-192 W rows by 32): a 64-128 row W tile
 feeds Hopper's warpgroup MMA, where x-rows-as-M tiles (the first version) ran as low as 0.84x cuBLAS.
