@@ -183,7 +183,7 @@ _ROW_SUM += [(2, 512, 4, 1, 3, False), (2, 1024, 4, 1, 3, False)]
 # Whole-K tiles at one row: one or two W rows a program, all of K in one load (one trip to memory
 # where the tiles above take K / BLOCK_K dependent-ish trips: latency, not bytes, bounds a small
 # GEMM at one row). One stage: the loop runs once. ``_keep`` offers a shape only the one BLOCK_K
-# that just covers its K (K / 2 < BLOCK_K <= K rounded up), so each adds two or three configs.
+# that just covers its K (BLOCK_K / 2 < K <= BLOCK_K): two or three configs more per shape.
 WHOLE_K = (2048, 4096, 8192, 16384)
 _WHOLE = [(bn, bk, w, 1, 1, False) for bk in WHOLE_K for bn, w in ((1, 4), (1, 8), (2, 8))
           if bk * bn // (32 * w) <= 64]        # at most 64 weight elements a thread: no spills
@@ -207,7 +207,7 @@ def tile_configs(row_sum: list[tuple], dot: list[tuple], whole_k: list[tuple] = 
     def keep(configs, named_args, **kwargs):
         bm = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
         want = set(row_sum if bm == 1 else dot)
-        if bm == 1 and _WHOLE_K_ON[0]:
+        if bm == 1 and _whole_k_on:
             K = named_args["K"]
             want |= {t for t in whole_k if t[1] // 2 < K <= t[1]}
         return [c for c in configs if key(c) in want] or configs
@@ -229,14 +229,15 @@ def _sum_splits(nargs, exception=None):
                                                      BLOCK=512, CAP=nargs.get("CAP", 0.0), **pdl_flags(y))
 
 
-_WHOLE_K_ON = [True]
+_whole_k_on = True
 
 
 def use_whole_k(on: bool) -> None:
     """Offer the whole-K tiles at one row or not (benchmarks: their share). Forgets the tuned tiles,
     which were picked with or without them."""
-    if _WHOLE_K_ON[0] != on:
-        _WHOLE_K_ON[0] = on
+    global _whole_k_on
+    if _whole_k_on != on:
+        _whole_k_on = on
         _tuned.cache.clear()
 
 
