@@ -329,12 +329,20 @@ for s in "$@"; do
             --attention paged --per-category 30
       stage bf16-picks-31b 180 $GEN 31b --layers 12 --batch 1 --systems gemma4opt gemma4opt-triton-gemms \
             --json "$OUT/generate.jsonl" ;;
+    profile-presets)
+      # The small presets' decode steps kernel by kernel (PDL off): e4b at batch 32, e2b at 1, 26b-a4b at 8.
+      GEMMA4OPT_PDL=0 stage profile-e4b-32 190 python3 benchmarks/profile_decode.py --preset e4b --batch 32 --new 16 \
+            --attention paged --per-category 30
+      GEMMA4OPT_PDL=0 stage profile-e2b 130 python3 benchmarks/profile_decode.py --preset e2b --new 16 \
+            --attention paged --per-category 30
+      GEMMA4OPT_PDL=0 stage profile-26b-8 200 python3 benchmarks/profile_decode.py --preset 26b-a4b --batch 8 \
+            --new 16 --attention paged --per-category 30 ;;
     features)
       MAX_JOBS=16 stage features-tests 300 $PYTEST -s tests/gpu/test_gpu_features.py
       stage features-assisted 420 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b --profile \
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets)" ;;
   esac
 done
