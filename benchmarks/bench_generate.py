@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gemma4opt  # noqa: E402
 from gemma4opt.kernels._util import PDL_DEFAULT, set_pdl  # noqa: E402
-from gemma4opt.kernels.skinny_linear import use_whole_k  # noqa: E402
+from gemma4opt.kernels.skinny_linear import use_tiles  # noqa: E402
 from gemma4opt.ops.state import MARGINS  # noqa: E402
 from gemma4opt.patterns import PATTERN_NAMES  # noqa: E402
 from gemma4opt.presets import ALL_PRESETS, build_model  # noqa: E402
@@ -110,6 +110,8 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      "gemma4opt-no-gelu-linear": dict(patterns=tuple(p for p in PATTERN_NAMES if p != "gelu_linear")),
                      # The skinny GEMM at one row without its whole-K tiles: their share.
                      "gemma4opt-no-whole-k": dict(whole_k=False),
+                     # ... and at 2-32 rows without its narrow tiles (16-32 W rows, K split up to 16 ways).
+                     "gemma4opt-no-narrow": dict(narrow=False),
                      # Every gemma4opt kernel launched plainly: programmatic dependent launch's share.
                      "gemma4opt-paged-nopdl": dict(attention="paged", pdl=False),
                      # FP8 (e4m3) weights of the attention and dense-MLP projections; "-kv8": and the KV pool.
@@ -153,7 +155,7 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         sys_model = model if i == len(args.systems) - 1 else copy.deepcopy(model)
         opts = dict(GEMMA4OPT_SYSTEMS[system])
         set_pdl(opts.pop("pdl", PDL_DEFAULT))      # read at each launch: off for this system's whole run
-        use_whole_k(opts.pop("whole_k", True))      # read when a GEMM shape is first tuned
+        use_tiles(opts.pop("whole_k", True), opts.pop("narrow", True))     # read when a GEMM shape is first tuned
         margins = dict(MARGINS)
         MARGINS.update(opts.pop("margins", {}))     # read when optimize() makes the model's op state
         if opts.get("attention") == "paged":     # tuned: a pool for exactly this run's batches and lengths

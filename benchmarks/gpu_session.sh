@@ -275,6 +275,13 @@ for s in "$@"; do
             --json "$OUT/generate.jsonl"
       stage whole-k-26b 200 $GEN 26b-a4b --batch 1 --systems gemma4opt-no-whole-k gemma4opt \
             --json "$OUT/generate.jsonl" ;;
+    narrow-ab-e4b)      # the narrow tiles at 2-32 rows (16-32 W rows, K split up to 16 ways): with and without
+      stage narrow-tests 90 $PYTEST tests/kernels/test_skinny_linear_kernel.py -k "narrow or split or explicit"
+      stage narrow-e4b 470 $GEN e4b --batch 32 --systems eager gemma4opt-no-narrow gemma4opt static_compile \
+            --json "$OUT/generate.jsonl" ;;
+    narrow-ab-26b)
+      stage narrow-26b 560 $GEN 26b-a4b --batch 8 --systems eager gemma4opt-no-narrow gemma4opt static_compile \
+            --json "$OUT/generate.jsonl" ;;
     speed-31b-full-fp8)
       # 60 layers with fp8 weights, lm_head and KV: quantized in place (last), one bf16 module at a time.
       stage speed-31b-full-fp8 590 $GEN 31b --batch 1 --systems static_compile gemma4opt-fp8-kv8-head \
@@ -343,6 +350,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b)" ;;
   esac
 done

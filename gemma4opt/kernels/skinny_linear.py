@@ -14,9 +14,10 @@ where K fits one (``_WHOLE``), loaded whole in one trip to memory. 2 <= M <= 32:
 side, cuBLAS's own layout for these shapes ("TNT" tiles of 128-192 W rows by 32): a 64-128 row W tile
 feeds Hopper's warpgroup MMA, where x-rows-as-M tiles (the first version) ran as low as 0.84x cuBLAS.
 
-Split K (2 <= M only, one more autotuned choice: 1, 2 or 4 splits): with few W rows per program a
-narrow GEMM has too few programs to fill the GPU evenly (the 31b's down_proj). Splits write fp32
-partials and a second kernel sums them in split order (deterministic), as cuBLAS's split-K does.
+Split K (2 <= M only, one more autotuned choice: 1, 2 or 4 splits, up to 16 for N <= NARROW_N): with
+few W rows per program a narrow GEMM has too few programs to fill the GPU evenly (the 31b's
+down_proj). Splits write fp32 partials and a second kernel sums them in split order
+(deterministic), as cuBLAS's split-K does.
 """
 from __future__ import annotations
 
@@ -190,15 +191,30 @@ _WHOLE = [(bn, bk, w, 1, 1, False) for bk in WHOLE_K for bn, w in ((1, 4), (1, 8
 _DOT = [(64, 128, 4, 1, 3, True), (64, 128, 4, 1, 5, True), (64, 64, 4, 1, 5, True), (128, 64, 8, 1, 3, True),
         (128, 128, 8, 2, 5, True), (64, 128, 4, 2, 3, True), (64, 128, 4, 4, 3, True), (64, 64, 4, 4, 5, True),
         (16, 256, 4, 1, 3, False), (32, 128, 4, 4, 3, False)]
-MAX_SPLIT = 4
+# Narrow GEMMs at 2-32 rows (N <= NARROW_N): 16-32 W rows a program (Ampere-style MMA; a warpgroup
+# MMA needs 64) and K split up to 16 ways. With the tiles above an N of 256-3072 is 4-48 programs of
+# 64 rows, each walking a long K on one SM: the e4b's per-layer-input gate (256 x 2560) took 6 us at
+# 32 rows where its 1.3 MB need 0.3, its q/k/v, o_proj and down 1.5-2.7x their bytes' time, and the
+# 26b-a4b's dense MLP and o_proj at 8 rows 1.6-2.1x (profile-presets, PDL off, H200).
+NARROW_N = 8192
+_DOT_NARROW = [(16, 128, 4, 8, 3, True), (16, 128, 4, 16, 3, True), (32, 128, 4, 4, 3, True),
+               (32, 128, 4, 8, 3, True), (64, 128, 4, 8, 3, True)]
+MAX_SPLIT = 16
+WIDE_SPLIT = 4      # the most splits a tile offered to N > NARROW_N takes
 
 
-def tile_configs(row_sum: list[tuple], dot: list[tuple], whole_k: list[tuple] = ()):
+def max_split(N: int) -> int:
+    """The most K splits any tile offered to an N-row weight takes (its fp32 partials' room)."""
+    return MAX_SPLIT if N <= NARROW_N else WIDE_SPLIT
+
+
+def tile_configs(row_sum: list[tuple], dot: list[tuple], whole_k: list[tuple] = (), narrow: list[tuple] = ()):
     """Autotune configs from (BLOCK_N, BLOCK_K, warps, splits, stages, SWAP) tuples, and the prune
     that keeps the row-sum path's configs for one row and tl.dot's for more; ``whole_k`` ones join
-    the row-sum configs of a K they cover in one tile (while ``use_whole_k()`` is on)."""
+    the row-sum configs of a K they cover in one tile, ``narrow`` ones the tl.dot configs of an
+    N <= NARROW_N (each while ``use_tiles`` offers them)."""
     configs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "SWAP": swap}, num_warps=w, num_stages=st)
-               for bn, bk, w, sk, st, swap in dict.fromkeys(row_sum + dot + list(whole_k))]
+               for bn, bk, w, sk, st, swap in dict.fromkeys(row_sum + dot + list(whole_k) + list(narrow))]
 
     def key(c):
         k = c.kwargs
@@ -207,9 +223,11 @@ def tile_configs(row_sum: list[tuple], dot: list[tuple], whole_k: list[tuple] = 
     def keep(configs, named_args, **kwargs):
         bm = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
         want = set(row_sum if bm == 1 else dot)
-        if bm == 1 and _whole_k_on:
+        if bm == 1 and _offered["whole_k"]:
             K = named_args["K"]
             want |= {t for t in whole_k if t[1] // 2 < K <= t[1]}
+        if bm > 1 and _offered["narrow"] and named_args["N"] <= NARROW_N:
+            want |= set(narrow)
         return [c for c in configs if key(c) in want] or configs
 
     return configs, keep
@@ -229,19 +247,19 @@ def _sum_splits(nargs, exception=None):
                                                      BLOCK=512, CAP=nargs.get("CAP", 0.0), **pdl_flags(y))
 
 
-_whole_k_on = True
+_offered = {"whole_k": True, "narrow": True}
 
 
-def use_whole_k(on: bool) -> None:
-    """Offer the whole-K tiles at one row or not (benchmarks: their share). Forgets the tuned tiles,
-    which were picked with or without them."""
-    global _whole_k_on
-    if _whole_k_on != on:
-        _whole_k_on = on
+def use_tiles(whole_k: bool = True, narrow: bool = True) -> None:
+    """Offer the whole-K tiles at one row and the narrow tiles at 2-32 rows, or not (benchmarks:
+    their share). Forgets the tuned tiles, which were picked with or without them."""
+    want = {"whole_k": whole_k, "narrow": narrow}
+    if want != _offered:
+        _offered.update(want)
         _tuned.cache.clear()
 
 
-_CONFIGS, _keep = tile_configs(_ROW_SUM, _DOT, _WHOLE)
+_CONFIGS, _keep = tile_configs(_ROW_SUM, _DOT, _WHOLE, _DOT_NARROW)
 _tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M"], do_bench=bench_short, post_hook=_sum_splits,
                          prune_configs_by={"early_config_prune": _keep})(_skinny_kernel)
 
@@ -269,7 +287,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | N
     if M and N:
         bm = 1 if M == 1 else 16 if M <= 16 else 32
         # Room for the most splits any config may take; a config with fewer uses the first ones.
-        part = torch.empty(MAX_SPLIT * M * N if bm > 1 else 1, dtype=torch.float32, device=x.device)
+        part = torch.empty(max_split(N) * M * N if bm > 1 else 1, dtype=torch.float32, device=x.device)
         args = (x2, u2, weight, y, part, M, N, K, x2.stride(0), u2.stride(0), weight.stride(0), y.stride(0))
         flags = dict(BLOCK_M=bm, COMPILED=_COMPILED, IEEE=x.dtype == torch.float32, CAP=float(cap or 0.0),
                      GELU=up is not None, **pdl_flags(y))
@@ -282,8 +300,8 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | N
         else:
             meta = {**dict(SPLIT_K=1, SWAP=False, num_warps=4, num_stages=3), **config}
             split = meta["SPLIT_K"] if bm > 1 else 1
-            if split > MAX_SPLIT or (meta["SWAP"] and bm == 1):
-                raise ValueError(f"gemma4opt skinny_linear: config {config} (at most {MAX_SPLIT} splits; "
+            if split > max_split(N) or (meta["SWAP"] and bm == 1):
+                raise ValueError(f"gemma4opt skinny_linear: config {config} (at most {max_split(N)} splits; "
                                  f"SWAP needs 2+ rows)")
             meta.update(SPLIT_K=split)
             _skinny_kernel[(triton.cdiv(N, meta["BLOCK_N"]), split)](*args, **meta, **flags)

@@ -76,6 +76,33 @@ def test_explicit_tiles_transposed_or_split(swap, split, rows, n, k):
     close(skinny_linear_triton(x, w, cfg), F.linear(x, w), torch.float32)
 
 
+@pytest.mark.parametrize("block_n,split", [(16, 8), (16, 16), (32, 8)])
+@pytest.mark.parametrize("rows,n,k", [(2, 37, 300), (9, 50, 130), (MAX_ROWS, 33, 1000)])
+def test_narrow_tiles_split_k_many_ways(block_n, split, rows, n, k):
+    """The narrow GEMMs' tiles: 16-32 W rows, K in up to 16 chunks (many of them empty when K is short),
+    N not a multiple of the tile."""
+    g = torch.Generator().manual_seed(block_n + split + rows)
+    x = torch.randn(rows, k, generator=g).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE)
+    cfg = dict(BLOCK_N=block_n, BLOCK_K=32, SPLIT_K=split, SWAP=True)
+    close(skinny_linear_triton(x, w, cfg), F.linear(x, w), torch.float32)
+
+
+def test_narrow_tiles_are_offered_to_narrow_n_at_two_rows_and_more():
+    from gemma4opt.kernels import skinny_linear as sl
+
+    def splits(N, bm):
+        return {c.kwargs["SPLIT_K"] for c in sl._keep(sl._CONFIGS, dict(K=2560, N=N, BLOCK_M=bm))}
+    assert max(splits(256, 32)) == 16 and max(splits(sl.NARROW_N, 16)) == 16
+    assert max(splits(sl.NARROW_N + 1, 32)) == sl.WIDE_SPLIT == sl.max_split(sl.NARROW_N + 1)
+    assert splits(256, 1) == {1}            # one row: the row sums, never split
+    sl.use_tiles(narrow=False)
+    try:
+        assert max(splits(256, 32)) == sl.WIDE_SPLIT
+    finally:
+        sl.use_tiles()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_n", [1, 2])
 @pytest.mark.parametrize("gelu", [False, True])
@@ -97,24 +124,27 @@ def test_whole_k_tiles_are_offered_for_the_k_they_cover():
 
     def offered(K, bm=1):
         return {(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages)
-                for c in sl._keep(sl._CONFIGS, dict(K=K, BLOCK_M=bm)) if c.kwargs["BLOCK_K"] in sl.WHOLE_K}
+                for c in sl._keep(sl._CONFIGS, dict(K=K, N=300, BLOCK_M=bm)) if c.kwargs["BLOCK_K"] in sl.WHOLE_K}
     assert {bk for _, bk, _ in offered(2560)} == {4096}        # e4b's q/k/v, PLE gate: K 2560
     assert {bk for _, bk, _ in offered(2048)} == {2048}
     assert {bk for _, bk, _ in offered(10240)} == {16384}      # e4b's MLP down
     assert all(st == 1 for _, _, st in offered(2560))
     assert offered(256) == set() and offered(40000) == set()    # nothing covers 256 alone, or 40000
     assert offered(2560, bm=16) == set()                        # the tensor-core path keeps its tiles
-    sl.use_whole_k(False)
+    sl.use_tiles(whole_k=False)
     try:
         assert offered(2560) == set()
     finally:
-        sl.use_whole_k(True)
+        sl.use_tiles()
 
 
 def test_explicit_tile_refuses_what_it_cannot_run():
     x, w = torch.randn(2, 8, device=DEVICE), torch.randn(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="at most 16 splits"):
+        skinny_linear_triton(x, w, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=32))
+    wide = torch.randn(8193, 8, device=DEVICE)     # past NARROW_N: room for 4 splits only
     with pytest.raises(ValueError, match="at most 4 splits"):
-        skinny_linear_triton(x, w, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=8))
+        skinny_linear_triton(x, wide, dict(BLOCK_N=64, BLOCK_K=32, SPLIT_K=8, SWAP=True))
     with pytest.raises(ValueError, match="SWAP needs 2"):
         skinny_linear_triton(x[:1], w, dict(BLOCK_N=16, BLOCK_K=32, SWAP=True))
 
