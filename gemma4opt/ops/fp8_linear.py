@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from gemma4opt.ops.fp8 import fp8_linear_reference
-from gemma4opt.ops.pick import check_close, time_in_graph
+from gemma4opt.ops.pick import check_then_time
 from gemma4opt.ops.state import picks_api, picks_for
 
 MAX_ROWS = 32
@@ -52,15 +52,9 @@ def triton_fits(x_fp8, w_fp8) -> bool:
 def _time_both(x_fp8, x_scale, w_fp8, w_scale, out_dtype) -> tuple[float, float]:
     from gemma4opt.kernels.fp8_linear import fp8_linear_triton
 
-    def triton():
-        return fp8_linear_triton(x_fp8, x_scale, w_fp8, w_scale, out_dtype)
-
-    def cublas():
-        return scaled_mm(x_fp8, x_scale, w_fp8, w_scale, out_dtype)
-
-    check_close(triton(), cublas(), what="skinny fp8 Triton GEMM", other="torch._scaled_mm")
-    return time_in_graph(lambda w: fp8_linear_triton(x_fp8, x_scale, w, w_scale, out_dtype),
-                         lambda w: scaled_mm(x_fp8, x_scale, w, w_scale, out_dtype), w_fp8)
+    return check_then_time(lambda w: fp8_linear_triton(x_fp8, x_scale, w, w_scale, out_dtype),
+                           lambda w: scaled_mm(x_fp8, x_scale, w, w_scale, out_dtype), w_fp8,
+                           "skinny fp8 Triton GEMM", "torch._scaled_mm")
 
 
 def runs_triton(x_fp8, w_fp8, x_scale=None, w_scale=None, out_dtype=torch.bfloat16) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from gemma4opt.ops.pick import check_close, time_in_graph
+from gemma4opt.ops.pick import check_then_time
 from gemma4opt.ops.state import picks_api, picks_for
 
 
@@ -39,9 +39,8 @@ def _(x, weight):
 def _time_both(x, weight) -> tuple[float, float]:
     from gemma4opt.kernels.gate_up_gelu import gate_up_gelu_triton
 
-    check_close(gate_up_gelu_triton(x, weight), gate_up_gelu_reference(x, weight),
-                what="Triton gate/up GEMV + gelu·mul", other="gemma4opt.linear + gelu_tanh_mul")
-    return time_in_graph(lambda w: gate_up_gelu_triton(x, w), lambda w: gate_up_gelu_reference(x, w), weight)
+    return check_then_time(lambda w: gate_up_gelu_triton(x, w), lambda w: gate_up_gelu_reference(x, w), weight,
+                           "Triton gate/up GEMV + gelu·mul", "gemma4opt.linear + gelu_tanh_mul")
 
 
 def runs_triton(x, weight) -> bool:

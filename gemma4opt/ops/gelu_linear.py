@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from gemma4opt.ops.pick import check_close, time_in_graph
+from gemma4opt.ops.pick import check_then_time
 from gemma4opt.ops.state import picks_api, picks_for
 
 MAX_ROWS = 32
@@ -43,10 +43,9 @@ def _(gate, up, weight):
 def _time_both(gate, up, weight) -> tuple[float, float]:
     from gemma4opt.kernels.skinny_linear import skinny_linear_triton
 
-    check_close(skinny_linear_triton(gate, weight, up=up), gelu_linear_reference(gate, up, weight),
-                what="skinny GEMM of gelu·mul", other="gelu_tanh_mul + gemma4opt.linear")
-    return time_in_graph(lambda w: skinny_linear_triton(gate, w, up=up),
-                         lambda w: gelu_linear_reference(gate, up, w), weight)
+    return check_then_time(lambda w: skinny_linear_triton(gate, w, up=up),
+                           lambda w: gelu_linear_reference(gate, up, w), weight,
+                           "skinny GEMM of gelu·mul", "gelu_tanh_mul + gemma4opt.linear")
 
 
 def runs_triton(gate, up, weight) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gemma4opt.ops.pick import check_close, time_in_graph
+from gemma4opt.ops.pick import check_then_time
 from gemma4opt.ops.state import picks_api, picks_for
 
 MAX_ROWS = 32
@@ -42,8 +42,8 @@ def _(x, weight):
 def _time_both(x, weight) -> tuple[float, float]:
     from gemma4opt.kernels.skinny_linear import skinny_linear_triton
 
-    check_close(skinny_linear_triton(x, weight), F.linear(x, weight), what="skinny Triton GEMM", other="cuBLAS")
-    return time_in_graph(lambda w: skinny_linear_triton(x, w), lambda w: F.linear(x, w), weight)
+    return check_then_time(lambda w: skinny_linear_triton(x, w), lambda w: F.linear(x, w), weight,
+                           "skinny Triton GEMM", "cuBLAS")
 
 
 def runs_triton(x, weight) -> bool:

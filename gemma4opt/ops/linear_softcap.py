@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gemma4opt.ops.pick import check_close, time_in_graph
+from gemma4opt.ops.pick import check_then_time
 from gemma4opt.ops.state import picks_api, picks_for
 
 MAX_ROWS = 32
@@ -45,9 +45,8 @@ def _cublas_softcap(x, weight, cap):
 def _time_both(x, weight, cap) -> tuple[float, float]:
     from gemma4opt.kernels.skinny_linear import skinny_linear_triton
 
-    check_close(skinny_linear_triton(x, weight, cap=cap), _cublas_softcap(x, weight, cap),
-                what="skinny Triton GEMM + softcap", other="cuBLAS + softcap")
-    return time_in_graph(lambda w: skinny_linear_triton(x, w, cap=cap), lambda w: _cublas_softcap(x, w, cap), weight)
+    return check_then_time(lambda w: skinny_linear_triton(x, w, cap=cap), lambda w: _cublas_softcap(x, w, cap), weight,
+                           "skinny Triton GEMM + softcap", "cuBLAS + softcap")
 
 
 def runs_triton(x, weight, cap) -> bool:

@@ -96,6 +96,14 @@ def weight_copies(nbytes: int, l2_bytes: int, most: int = 64) -> int:
     return max(1, min(most, -(-2 * l2_bytes // max(nbytes, 1))))
 
 
+def check_then_time(triton_fn: Callable[[torch.Tensor], object], other_fn: Callable[[torch.Tensor], object],
+                    weight: torch.Tensor, what: str, other: str) -> tuple[float, float]:
+    """A shape's first call: the Triton path's result checked against the other's on ``weight``
+    (check_close), then both timed as decode runs them (time_in_graph)."""
+    check_close(triton_fn(weight), other_fn(weight), what=what, other=other)
+    return time_in_graph(triton_fn, other_fn, weight)
+
+
 def time_in_graph(triton_fn: Callable[[torch.Tensor], object], other_fn: Callable[[torch.Tensor], object],
                   weight: torch.Tensor) -> tuple[float, float]:
     """(Triton ms, other ms) per call of ``fn(weight)``, each timed as a decode step runs it: calls
