@@ -115,12 +115,30 @@ def test_report_line_counts_the_lm_head_picks():
 
 
 def test_a_triton_result_that_differs_from_cublas_is_refused():
+    from gemma4opt.ops.pick import check_close
+
     want = torch.randn(4, 64)
-    linear_op.check_close(want + 1e-4 * torch.randn(4, 64), want)       # 16-bit rounding: fine
+    check_close(want + 1e-4 * torch.randn(4, 64), want)       # 16-bit rounding: fine
     with pytest.raises(ValueError, match="differs from cuBLAS"):
-        linear_op.check_close(want.flip(0), want, other="cuBLAS")
+        check_close(want.flip(0), want, other="cuBLAS")
     with pytest.raises(ValueError, match="differs from"):
-        linear_op.check_close(torch.full((4, 64), float("nan")), want)
+        check_close(torch.full((4, 64), float("nan")), want)
+
+
+def test_a_shape_is_checked_before_it_is_timed(monkeypatch):
+    """check_then_time: a Triton result that differs never gets timed; one that matches is timed,
+    both paths on the same weight."""
+    from gemma4opt.ops import pick
+
+    timed = []
+    monkeypatch.setattr(pick, "time_in_graph", lambda a, b, w: timed.append(w) or (1.0, 2.0))
+    w = torch.randn(8, 16)
+    x = torch.randn(2, 16)
+    with pytest.raises(ValueError, match="skinny Triton GEMM differs from cuBLAS"):
+        pick.check_then_time(lambda w: -(x @ w.T), lambda w: x @ w.T, w, "skinny Triton GEMM", "cuBLAS")
+    assert timed == []
+    assert pick.check_then_time(lambda w: x @ w.T, lambda w: x @ w.T, w, "skinny Triton GEMM", "cuBLAS") == (1.0, 2.0)
+    assert len(timed) == 1 and timed[0] is w
 
 
 def test_timed_weight_copies_overflow_l2():
