@@ -199,8 +199,8 @@ _DOT = [(64, 128, 4, 1, 3, True), (64, 128, 4, 1, 5, True), (64, 64, 4, 1, 5, Tr
 NARROW_N = 8192
 _DOT_NARROW = [(16, 128, 4, 8, 3, True), (16, 128, 4, 16, 3, True), (32, 128, 4, 4, 3, True),
                (32, 128, 4, 8, 3, True), (64, 128, 4, 8, 3, True)]
-MAX_SPLIT = 16
-WIDE_SPLIT = 4      # the most splits a tile offered to N > NARROW_N takes
+WIDE_SPLIT = max(t[3] for t in _DOT)                  # the most splits a tile offered to N > NARROW_N takes
+MAX_SPLIT = max(WIDE_SPLIT, *(t[3] for t in _DOT_NARROW))
 
 
 def max_split(N: int) -> int:
