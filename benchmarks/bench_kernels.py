@@ -28,7 +28,8 @@ from gemma4opt.kernels import _util  # noqa: E402
 from gemma4opt.kernels._util import pdl_prologue  # noqa: E402
 from gemma4opt.kernels.add_rms_norm import add_rms_norm_triton  # noqa: E402
 from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_mul_triton  # noqa: E402
-from gemma4opt.kernels.moe_experts import moe_experts_triton  # noqa: E402
+from gemma4opt.kernels.moe_experts import MAX_PAIRS, moe_experts_triton  # noqa: E402
+from gemma4opt.kernels.moe_grouped import MAX_GROUPED_PAIRS  # noqa: E402
 from gemma4opt.kernels.moe_router import router_topk_triton  # noqa: E402
 from gemma4opt.kernels.qkv_norm_rope_append import qkv_norm_rope_append_triton  # noqa: E402
 from gemma4opt.kernels.rms_norm import rms_norm_triton  # noqa: E402
@@ -86,8 +87,11 @@ def _moe_case(cfg, M):
     down = torch.randn(E, H, I, device="cuda", dtype=DT) / I ** 0.5
     idx = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(M)])
     wt = torch.softmax(torch.randn(M, k, device="cuda"), -1)
-    moved = _nbytes(x) * 2 + M * k * 3 * I * H * 2       # each pair's gate, up and down rows
-    return "moe_experts (decode)", moe_experts_triton, _moe_batched_ref, (x, idx, wt, gate_up, down), moved
+    if M * k <= MAX_PAIRS:
+        moved = _nbytes(x) * 2 + M * k * 3 * I * H * 2       # each pair's gate, up and down rows
+        return "moe_experts (decode)", moe_experts_triton, _moe_batched_ref, (x, idx, wt, gate_up, down), moved
+    moved = _nbytes(x) * 2 + idx.unique().numel() * 3 * I * H * 2       # each touched expert's rows once
+    return "moe_experts (grouped)", moe_experts_triton, _moe_batched_ref, (x, idx, wt, gate_up, down), moved
 
 
 def _qkv_case(cfg, kind, M, D, heads, cos, sin, w):
@@ -163,7 +167,7 @@ def cases(cfg, M):
     if cfg.enable_moe_block:
         logits = torch.randn(M, cfg.num_experts, device="cuda", dtype=DT)
         pes = torch.randn(cfg.num_experts, device="cuda", dtype=DT)
-        if M * cfg.top_k_experts <= 64:
+        if M * cfg.top_k_experts <= MAX_GROUPED_PAIRS:
             out.append(_moe_case(cfg, M))
         out.append(("moe_router top-k", router_topk_triton, _router_ref, (logits, pes, cfg.top_k_experts),
                     _nbytes(logits) + M * cfg.num_experts * 4 + M * cfg.top_k_experts * 12))
@@ -176,7 +180,12 @@ def _sweeps():
                           [dict(hb=hb, warps=w) for hb in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8)]),
             "gelu": (lambda n: n == "gelu_tanh_mul",
                      [dict(block=b, warps=w) for b in (256, 512, 1024, 2048, 4096) for w in (1, 2, 4, 8)]),
-            "moe": (lambda n: n.startswith("moe_experts"),
+            "moe_grouped": (lambda n: n == "moe_experts (grouped)",
+                            [dict(gu=(n, kk, w, st)) for n, w in ((64, 4), (128, 8), (32, 4)) for kk in (64, 128, 256)
+                             for st in (3, 4)]
+                            + [dict(dn=(n, kk, w, st)) for n, w in ((64, 4), (128, 8), (32, 4)) for kk in (64, 128)
+                               for st in (3, 4)]),
+            "moe": (lambda n: n == "moe_experts (decode)",
                     [dict(gu_n=n, gu_k=kk, gu_warps=w) for n in (4, 8, 16, 32) for kk in (256, 512) for w in (2, 4, 8)]
                     + [dict(dn_n=n, dn_k=kk, dn_warps=w) for n in (2, 4, 8, 16, 32) for kk in (256, 512)
                        for w in (2, 4, 8)]),
@@ -296,7 +305,7 @@ def main(argv=None):
     ap.add_argument("--linear", action="store_true",
                     help="the decode GEMMs instead (skinny Triton GEMM vs F.linear / cuBLAS; M <= 32)")
     ap.add_argument("--only", default=None, help="only the cases whose name contains this (e.g. moe_experts)")
-    ap.add_argument("--sweep", choices=["norm_rope", "gelu", "softcap", "moe"], default=None,
+    ap.add_argument("--sweep", choices=["norm_rope", "gelu", "softcap", "moe", "moe_grouped"], default=None,
                     help="time the kernel's launch under every override of its sweep grid (gelu: block x warps)")
     ap.add_argument("--sweep-norm-rope", action="store_true",
                     help="time rms_norm_rope / qkv_norm_rope_append under every (heads per program, warps)")

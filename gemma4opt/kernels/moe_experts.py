@@ -21,7 +21,7 @@ from gemma4opt.kernels._util import pdl_flags, pdl_prologue
 from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_rounded
 from gemma4opt.kernels.skinny_linear import _COMPILED
 
-MAX_PAIRS = 64          # (token, expert) pairs per call: decode (8 tokens of top-8); more -> HF's path
+MAX_PAIRS = 64          # (token, expert) pairs pair by pair: 8 tokens of top-8; more -> kernels/moe_grouped.py
 
 
 @triton.jit
@@ -154,17 +154,23 @@ TILES = dict(gu_n=8, gu_k=256, gu_warps=8, dn_n=2, dn_k=256, dn_warps=4)
 
 def moe_experts_triton(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                        gate_up: torch.Tensor, down: torch.Tensor, launch: dict | None = None,
-                       gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None) -> torch.Tensor:
+                       gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+                       grouped: bool | None = None) -> torch.Tensor:
     """x [T, H], top_k_index / top_k_weights [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H].
-    ``launch``: entries of TILES to use instead of TILES' own (the others stay). fp8 experts
-    (quantization="fp8"): gate_up and down in e4m3 with fp32 scales [E, 2I] and [E, H], one per
-    (expert, output row); x stays in its dtype (the GEMVs are bound by the weights' bytes)."""
+    Up to MAX_PAIRS (token, expert) pairs the two pair-by-pair kernels here run, up to
+    kernels/moe_grouped.py's MAX_GROUPED_PAIRS its expert-by-expert ones (``grouped`` forces one
+    or the other). ``launch``: entries of the chosen path's TILES to use instead of its own. fp8
+    experts (quantization="fp8"): gate_up and down in e4m3 with fp32 scales [E, 2I] and [E, H], one
+    per (expert, output row); x stays in its dtype (the GEMVs are bound by the weights' bytes)."""
+    from gemma4opt.kernels.moe_grouped import MAX_GROUPED_PAIRS, moe_experts_grouped_triton
+
     T, H = x.shape
     k = top_k_index.shape[-1]
     E, two_i, _ = gate_up.shape
     I = two_i // 2
-    if T * k > MAX_PAIRS:
-        raise ValueError(f"gemma4opt moe_experts: {T} tokens x top-{k} = {T * k} pairs, at most {MAX_PAIRS} "
+    if T * k > MAX_GROUPED_PAIRS or (grouped is False and T * k > MAX_PAIRS):
+        most = MAX_PAIRS if grouped is False else MAX_GROUPED_PAIRS
+        raise ValueError(f"gemma4opt moe_experts: {T} tokens x top-{k} = {T * k} pairs, at most {most} "
                          f"(decode); use the grouped path")
     if gate_up.shape[2] != H or tuple(down.shape) != (E, H, I) or gate_up.stride(2) != 1 or down.stride(2) != 1:
         raise ValueError(f"gemma4opt moe_experts: gate_up {tuple(gate_up.shape)} / down {tuple(down.shape)} do not "
@@ -178,6 +184,9 @@ def moe_experts_triton(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
         gate_up_scale = gate_up_scale.float().contiguous()
         down_scale = down_scale.float().contiguous()
     x = x if x.stride(-1) == 1 else x.contiguous()
+    if grouped or (grouped is None and T * k > MAX_PAIRS):
+        return moe_experts_grouped_triton(x, top_k_index, top_k_weights, gate_up, down, launch,
+                                          gate_up_scale, down_scale)
     idx = top_k_index.reshape(-1).contiguous()
     wt = top_k_weights.reshape(-1).contiguous()
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)

@@ -2,9 +2,12 @@
 
 Everywhere but CUDA decode it runs the model's own experts module (HF's experts implementation,
 grouped GEMMs by default), so prefill and CPU results are exactly HF's. On CUDA with at most
-``MAX_PAIRS`` (token, expert) pairs, each shape runs whichever of gemma4opt's two-kernel decode path
-(kernels/moe_experts.py) and HF's path timed faster on its first call, outside graph capture, and
-only if its output matched HF's there (ops/pick.py; the same rule as ``gemma4opt.linear``).
+kernels/moe_grouped.py's ``MAX_GROUPED_PAIRS`` (token, expert) pairs, each shape runs whichever of
+gemma4opt's decode kernels (pair by pair up to 64 pairs, kernels/moe_experts.py, expert by expert
+above) and HF's path timed faster on its first call, outside graph capture, and only if its output
+matched HF's there (ops/pick.py; the same rule as ``gemma4opt.linear``). Above 8 tokens a pick
+holds for the token counts up to the next power of two: prefills of a few dozen tokens of every
+length would otherwise each be timed.
 
 The module is found through ``module_key`` in the calling model's OpState (ops/state.py; weak
 references): a custom op takes tensors and numbers, not modules, and the weights are passed as
@@ -73,15 +76,20 @@ def _time_both(x, idx, w, gate_up, down, module) -> tuple[float, float]:
             bench_cold(lambda: module(x, idx, w)))
 
 
+def pick_tokens(tokens: int) -> int:
+    """The token count a shape's pick is keyed by: itself up to 8, else the next power of two."""
+    return tokens if tokens <= 8 else 1 << (tokens - 1).bit_length()
+
+
 def runs_triton(x, top_k_index, top_k_weights, gate_up, down, module) -> bool:
     """Whether this CUDA call runs gemma4opt's decode kernels: a decode step's pairs, unit-stride
     expert rows, and a shape the active model's picks give to the kernels (timed now if new)."""
-    from gemma4opt.kernels.moe_experts import MAX_PAIRS
+    from gemma4opt.kernels.moe_grouped import MAX_GROUPED_PAIRS
 
-    if not (x.dim() == 2 and 0 < top_k_index.numel() <= MAX_PAIRS and gate_up.stride(-1) == 1
+    if not (x.dim() == 2 and 0 < top_k_index.numel() <= MAX_GROUPED_PAIRS and gate_up.stride(-1) == 1
             and down.stride(-1) == 1):
         return False
-    key = (x.shape[0], top_k_index.shape[-1], *gate_up.shape[:2], x.shape[1], x.dtype, x.device.index)
+    key = (pick_tokens(x.shape[0]), top_k_index.shape[-1], *gate_up.shape[:2], x.shape[1], x.dtype, x.device.index)
     return picks_for("moe_experts").pick(key, lambda: _time_both(x, top_k_index, top_k_weights, gate_up, down, module))
 
 

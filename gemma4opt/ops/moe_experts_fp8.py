@@ -10,8 +10,9 @@
 
 Activations stay in the model dtype (weight-only fp8): at decode the experts' GEMVs are bound by
 the weight bytes, which fp8 halves; quantizing the activations too would add error and save no time.
-On CUDA up to kernels/moe_experts.py's MAX_PAIRS (token, expert) pairs (decode) run its two
-kernels with the scales in their epilogues; more (prefill) run ``moe_experts_fp8_grouped``: the
+On CUDA up to kernels/moe_grouped.py's MAX_GROUPED_PAIRS (token, expert) pairs (decode, short
+prefills) run gemma4opt's decode kernels (kernels/moe_experts.py's ``moe_experts_triton``) with the
+scales in their epilogues; more (prefill) run ``moe_experts_fp8_grouped``: the
 same fp32 math as batched matmuls over the experts that have tokens, padded to the busiest one's
 count (the reference's loop over experts, one host sync and a dozen launches each, made the
 26b-a4b's prefill of 128 tokens take 1044 ms against 82 in bf16 on an H200). CPU runs the reference.
@@ -96,9 +97,11 @@ def moe_experts_fp8_grouped(x, top_k_index, top_k_weights, gate_up, gate_up_scal
 
 @moe_experts_fp8.register_kernel("cuda")
 def _(x, top_k_index, top_k_weights, gate_up, gate_up_scale, down, down_scale):
-    from gemma4opt.kernels.moe_experts import MAX_PAIRS, moe_experts_triton
+    from gemma4opt.kernels.moe_experts import moe_experts_triton
+    from gemma4opt.kernels.moe_grouped import MAX_GROUPED_PAIRS
 
-    if x.dim() == 2 and 0 < top_k_index.numel() <= MAX_PAIRS and gate_up.stride(-1) == 1 and down.stride(-1) == 1:
+    if (x.dim() == 2 and 0 < top_k_index.numel() <= MAX_GROUPED_PAIRS and gate_up.stride(-1) == 1
+            and down.stride(-1) == 1):
         return moe_experts_triton(x, top_k_index, top_k_weights, gate_up, down,
                                   gate_up_scale=gate_up_scale, down_scale=down_scale)
     if x.dim() == 2 and top_k_index.numel():

@@ -23,8 +23,9 @@ def _experts_module(E=128, I=704, H=2816):
     return m, cfg.top_k_experts
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 13, 32, 64])
 def test_kernels_and_op_match_hf_at_real_dims(tokens):
+    """Pair by pair up to 8 tokens of top-8, expert by expert (kernels/moe_grouped.py) above."""
     m, k = _experts_module()
     g = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, m.hidden_dim, device="cuda", generator=g).to(torch.bfloat16)
@@ -37,5 +38,25 @@ def test_kernels_and_op_match_hf_at_real_dims(tokens):
         op = torch.ops.gemma4opt.moe_experts(x, idx, w, m.gate_up_proj, m.down_proj, moe_op.register_experts(m))
     for out in (got, ref, op.float()):
         torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
-    key = (tokens, k, m.num_experts, 2 * m.intermediate_dim, m.hidden_dim, torch.bfloat16, x.device.index)
+    key = (moe_op.pick_tokens(tokens), k, m.num_experts, 2 * m.intermediate_dim, m.hidden_dim, torch.bfloat16, x.device.index)
     assert key in moe_op.picks() and key not in moe_op.failures()
+
+
+@pytest.mark.parametrize("tokens", [16, 48])
+def test_fp8_grouped_kernels_match_reference_at_real_dims(tokens):
+    """quantization="fp8" experts above 64 pairs: the e4m3 rows converted in the grouped kernels'
+    tiles (compiled tl.dot; the interpreter tests run fp32 dots) against the op's reference."""
+    from gemma4opt.ops.fp8 import quantize_rows_reference
+    from gemma4opt.ops.moe_experts_fp8 import moe_experts_fp8_reference
+
+    m, k = _experts_module()
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, m.hidden_dim, device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(m.num_experts, device="cuda", generator=g)[:k] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, k, device="cuda", generator=g), -1)
+    with torch.no_grad():
+        gu_q, gu_s = quantize_rows_reference(m.gate_up_proj)
+        d_q, d_s = quantize_rows_reference(m.down_proj)
+        want = moe_experts_fp8_reference(x, idx, w, gu_q, gu_s, d_q, d_s).float()
+        got = torch.ops.gemma4opt.moe_experts_fp8(x, idx, w, gu_q, gu_s, d_q, d_s).float()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

@@ -44,7 +44,8 @@ def test_refuses_prefill_sizes_and_mismatched_weights():
     x, idx, w, gate_up, down = _case(1, 2, 4, 8, 16, torch.float32, seed=1)
     many = MAX_PAIRS // 2 + 1
     with pytest.raises(ValueError, match="at most 64"):
-        moe_experts_triton(x.expand(many, -1), idx.expand(many, -1), w.expand(many, -1), gate_up, down)
+        moe_experts_triton(x.expand(many, -1), idx.expand(many, -1), w.expand(many, -1), gate_up, down,
+                           grouped=False)
     with pytest.raises(ValueError, match="do not match"):
         moe_experts_triton(x, idx, w, gate_up, down.transpose(1, 2))
 
