@@ -55,7 +55,8 @@
 #              26b-a4b at 8, against eager and HF static + compile (limits 470 / 560 s).
 #   presets-rest  26b-a4b at 32 and e2b at 1 against eager and HF static + compile (limits 330 / 250 s).
 #   moe-grouped  the expert-by-expert MoE decode kernels: GPU and compiled kernel tests (200 s), their tiles swept at
-#              16-64 tokens of the 26b-a4b (150 s), the op against Inductor's batched path at 8-64 tokens (120 s).
+#              32 and 64 tokens of the 26b-a4b (120 s). moe-grouped-kernels: the op against Inductor's batched
+#              path at 8-64 tokens (150 s).
 #   presets-26b-32  the 26b-a4b at batch 32 against eager and HF static + compile (400 s).
 #   moe-e2b-ab  no FlashInfer: MoE / norm_add kernel tests, the 26b-a4b MoE decode op and e2b "hf"-mode
 #              tokens, this checkout then .baseline's (limits 90, 70, 100, 70, 80 s).
@@ -295,9 +296,10 @@ for s in "$@"; do
     moe-grouped)        # the expert-by-expert MoE decode kernels: tests, tile sweep, the op against HF's batched path
       stage moe-grouped-tests 200 $PYTEST tests/gpu/test_gpu_moe_experts.py tests/kernels/test_moe_grouped_kernel.py \
             tests/kernels/test_moe_experts_kernel.py
-      stage moe-grouped-sweep 150 python3 benchmarks/bench_kernels.py --sweep moe_grouped --presets 26b-a4b --m 16 32 64 \
-            --json "$OUT/sweep.jsonl"
-      stage moe-grouped-kernels 120 python3 benchmarks/bench_kernels.py --presets 26b-a4b --m 8 16 32 64 --only moe_experts \
+      stage moe-grouped-sweep 120 python3 benchmarks/bench_kernels.py --sweep moe_grouped --presets 26b-a4b --m 32 64 \
+            --json "$OUT/sweep.jsonl" ;;
+    moe-grouped-kernels)  # the MoE decode op against Inductor's batched path at 8-64 tokens of the 26b-a4b
+      stage moe-grouped-kernels 150 python3 benchmarks/bench_kernels.py --presets 26b-a4b --m 8 16 32 64 --only moe_experts \
             --json "$OUT/kernels.json" ;;
     presets-26b-32)     # the 26b-a4b at batch 32 against eager and HF static + compile
       stage presets-26b-32 400 $GEN 26b-a4b --batch 32 --systems eager gemma4opt static_compile --json "$OUT/generate.jsonl" ;;
@@ -369,6 +371,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, presets-26b-32)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32)" ;;
   esac
 done
