@@ -58,6 +58,8 @@
 #              32 and 64 tokens of the 26b-a4b (120 s). moe-grouped-kernels: the op against Inductor's batched
 #              path at 8-64 tokens (150 s).
 #   presets-26b-32  the 26b-a4b at batch 32 against eager and HF static + compile (400 s).
+#   moe-grouped-fp8  fp8 experts expert by expert: their GPU tests (90 s), the 26b-a4b at batch 32 in bf16 and with fp8
+#              weights + lm_head (300 s).
 #   moe-e2b-ab  no FlashInfer: MoE / norm_add kernel tests, the 26b-a4b MoE decode op and e2b "hf"-mode
 #              tokens, this checkout then .baseline's (limits 90, 70, 100, 70, 80 s).
 #   verify-moe  the MoE layer's decode kernels against their references (limit 150 s), the 26b-a4b's
@@ -301,6 +303,10 @@ for s in "$@"; do
     moe-grouped-kernels)  # the MoE decode op against Inductor's batched path at 8-64 tokens of the 26b-a4b
       stage moe-grouped-kernels 150 python3 benchmarks/bench_kernels.py --presets 26b-a4b --m 8 16 32 64 --only moe_experts \
             --json "$OUT/kernels.json" ;;
+    moe-grouped-fp8)    # fp8 experts expert by expert: their GPU tests, the 26b-a4b at 32 in bf16 and with fp8 weights + lm_head
+      stage moe-grouped-fp8-tests 90 $PYTEST tests/gpu/test_gpu_moe_experts.py -k fp8
+      stage moe-grouped-fp8-26b-32 300 $GEN 26b-a4b --batch 32 --systems gemma4opt gemma4opt-fp8-head \
+            --json "$OUT/generate.jsonl" ;;
     presets-26b-32)     # the 26b-a4b at batch 32 against eager and HF static + compile
       stage presets-26b-32 400 $GEN 26b-a4b --batch 32 --systems eager gemma4opt static_compile --json "$OUT/generate.jsonl" ;;
     speed-31b-full-fp8)
@@ -371,6 +377,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8)" ;;
   esac
 done
