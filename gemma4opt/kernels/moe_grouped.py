@@ -196,25 +196,7 @@ def _combine_kernel(Y, WT, OUT, H, TOPK: tl.constexpr, BLOCK: tl.constexpr, PDL:
 # (BLOCK_N, BLOCK_K, warps, stages) of the gate/up and down kernels. A 64-row weight tile feeds
 # Hopper's warpgroup MMA with the pairs as its N side; the down kernel's K tile divides the
 # 26b-a4b's I = 704 (11 x 64), so none of its loads is masked.
-# ``bench_kernels.py --sweep moe_grouped`` at 32 and 64 tokens of the 26b-a4b (H200, bf16) found no
-# tile faster than these by more than 0.4 % (353 us for the op at 32 tokens: ~3.8 TB/s over the
-# ~1.3 GB of the experts touched). e4m3 rows are converted before the dot, which the bf16 sweep
-# does not see: fp8 experts time FP8_TILES on their first call (Triton's autotuner; a tile that
-# does not fit shared memory is skipped) and keep the fastest per shape.
 TILES = dict(gu=(64, 128, 4, 3), dn=(64, 64, 4, 3))
-FP8_TILES = dict(gu=[(64, 128, 4, 3), (64, 256, 4, 3), (64, 256, 8, 4), (128, 256, 8, 3), (64, 512, 8, 3)],
-                 dn=[(64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 4, 3), (128, 64, 8, 4)])
-
-
-def _autotuned(kernel, tiles):
-    from gemma4opt.kernels.skinny_linear import bench_short
-
-    configs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in tiles]
-    return triton.autotune(configs=configs, key=["P_PAD", "H", "I"], do_bench=bench_short)(kernel)
-
-
-_fp8_gate_up = _autotuned(_grouped_gate_up_kernel, FP8_TILES["gu"])
-_fp8_down = _autotuned(_grouped_down_kernel, FP8_TILES["dn"])
 
 
 def moe_experts_grouped_triton(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -239,19 +221,14 @@ def moe_experts_grouped_triton(x: torch.Tensor, top_k_index: torch.Tensor, top_k
     t = {**TILES, **(launch or {})}
     common = dict(P_PAD=triton.next_power_of_2(P), PP=PP, COMPILED=_COMPILED, IEEE=x.dtype == torch.float32,
                   FP8=fp8, **pdl_flags(x))
-    gu_args = (x, order, sorted_e, gate_up, gate_up_scale if fp8 else wt, act, P, H, I, x.stride(0),
-               gate_up.stride(0), gate_up.stride(1))
-    dn_args = (act, order, sorted_e, down, down_scale if fp8 else wt, y, P, H, I, down.stride(0), down.stride(1))
-    if fp8 and _COMPILED and not launch:
-        _fp8_gate_up[lambda m: (E, triton.cdiv(I, m["BLOCK_N"]))](*gu_args, TOPK=k, **common)
-        _fp8_down[lambda m: (E, triton.cdiv(H, m["BLOCK_N"]))](*dn_args, **common)
-    else:
-        bn, bk, warps, stages = t["gu"]
-        _grouped_gate_up_kernel[(E, triton.cdiv(I, bn))](*gu_args, TOPK=k, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                                                         num_stages=stages, **common)
-        bn, bk, warps, stages = t["dn"]
-        _grouped_down_kernel[(E, triton.cdiv(H, bn))](*dn_args, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                                                      num_stages=stages, **common)
+    bn, bk, warps, stages = t["gu"]
+    _grouped_gate_up_kernel[(E, triton.cdiv(I, bn))](
+        x, order, sorted_e, gate_up, gate_up_scale if fp8 else wt, act, P, H, I, x.stride(0), gate_up.stride(0),
+        gate_up.stride(1), TOPK=k, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **common)
+    bn, bk, warps, stages = t["dn"]
+    _grouped_down_kernel[(E, triton.cdiv(H, bn))](
+        act, order, sorted_e, down, down_scale if fp8 else wt, y, P, H, I, down.stride(0), down.stride(1),
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **common)
     block = min(1024, triton.next_power_of_2(H))
     _combine_kernel[(T, triton.cdiv(H, block))](y, wt, out, H, TOPK=k, BLOCK=block, **pdl_flags(x))
     return out
