@@ -170,7 +170,8 @@ def _fp8_weights(model, state, device: str) -> str:
                       if k.startswith("skipped"))
     gemm = _fp8_gemms(device, state.op_state)
     moe = (f" and {len(experts)} MoE experts blocks (weight-only: tokens stay in {_dtype_name(dtype)}; "
-           "gemma4opt's decode kernels, the reference per expert above their pair count)") if experts else ""
+           "gemma4opt's decode kernels up to 1024 (token, expert) pairs, batched matmuls over the experts "
+           "that have tokens above)") if experts else ""
     kept = ("the embedding table (the lm_head's fp8 copy beside it), " if head
             else "the lm_head (tied to the embedding table), ")
     return (f"fp8 e4m3, one fp32 scale per output channel: {len(mods)} linears (attention q/k/v/o, dense MLP "

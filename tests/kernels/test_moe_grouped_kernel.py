@@ -66,3 +66,12 @@ def test_refuses_more_pairs():
 
 def test_picks_keyed_by_token_bucket_above_eight():
     assert [pick_tokens(t) for t in (1, 5, 8, 9, 16, 17, 33, 128)] == [1, 5, 8, 16, 16, 32, 64, 128]
+
+
+def test_report_states_the_grouped_limit():
+    """report.py names the limit without importing Triton (CPU installs may lack it): kept in step here."""
+    import inspect
+
+    import gemma4opt.report
+
+    assert f"up to {MAX_GROUPED_PAIRS} (token, expert) pairs" in inspect.getsource(gemma4opt.report)
