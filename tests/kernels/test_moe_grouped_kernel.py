@@ -70,8 +70,8 @@ def test_picks_keyed_by_token_bucket_above_eight():
 
 def test_report_states_the_grouped_limit():
     """report.py names the limit without importing Triton (CPU installs may lack it): kept in step here."""
+    import importlib
     import inspect
 
-    import gemma4opt.report
-
-    assert f"up to {MAX_GROUPED_PAIRS} (token, expert) pairs" in inspect.getsource(gemma4opt.report)
+    source = inspect.getsource(importlib.import_module("gemma4opt.report"))
+    assert f"up to {MAX_GROUPED_PAIRS} (token, expert) pairs" in source
