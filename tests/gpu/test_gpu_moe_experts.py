@@ -23,14 +23,19 @@ def _experts_module(E=128, I=704, H=2816):
     return m, cfg.top_k_experts
 
 
+def _routed(m, k, tokens):
+    """tokens rows of bf16 input, each routed to k distinct experts with fp32 weights (seeded by tokens)."""
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, m.hidden_dim, device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(m.num_experts, device="cuda", generator=g)[:k] for _ in range(tokens)])
+    return x, idx, torch.softmax(torch.randn(tokens, k, device="cuda", generator=g), -1)
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 8, 13, 32, 64])
 def test_kernels_and_op_match_hf_at_real_dims(tokens):
     """Pair by pair up to 8 tokens of top-8, expert by expert (kernels/moe_grouped.py) above."""
     m, k = _experts_module()
-    g = torch.Generator(device="cuda").manual_seed(tokens)
-    x = torch.randn(tokens, m.hidden_dim, device="cuda", generator=g).to(torch.bfloat16)
-    idx = torch.stack([torch.randperm(m.num_experts, device="cuda", generator=g)[:k] for _ in range(tokens)])
-    w = torch.softmax(torch.randn(tokens, k, device="cuda", generator=g), -1)
+    x, idx, w = _routed(m, k, tokens)
     with torch.no_grad():
         want = m(x, idx, w).float()
         got = moe_experts_triton(x, idx, w, m.gate_up_proj, m.down_proj).float()
@@ -50,10 +55,7 @@ def test_fp8_grouped_kernels_match_reference_at_real_dims(tokens):
     from gemma4opt.ops.moe_experts_fp8 import moe_experts_fp8_reference
 
     m, k = _experts_module()
-    g = torch.Generator(device="cuda").manual_seed(tokens)
-    x = torch.randn(tokens, m.hidden_dim, device="cuda", generator=g).to(torch.bfloat16)
-    idx = torch.stack([torch.randperm(m.num_experts, device="cuda", generator=g)[:k] for _ in range(tokens)])
-    w = torch.softmax(torch.randn(tokens, k, device="cuda", generator=g), -1)
+    x, idx, w = _routed(m, k, tokens)
     with torch.no_grad():
         gu_q, gu_s = quantize_rows_reference(m.gate_up_proj)
         d_q, d_s = quantize_rows_reference(m.down_proj)
