@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from gemma4opt.kernels._util import pdl_flags, pdl_prologue
-from gemma4opt.kernels.moe_experts import TILES, _block_k, gate_up_sums, gelu_mul_rounded
+from gemma4opt.kernels.gelu_tanh_mul import gelu_mul_rounded
+from gemma4opt.kernels.moe_experts import TILES, _block_k, gate_up_sums
 from gemma4opt.kernels.skinny_linear import _COMPILED
 
 MAX_ROWS = 1        # each row streams all of W again: more rows are the GEMM's work

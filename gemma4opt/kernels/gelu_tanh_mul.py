@@ -41,6 +41,15 @@ def gelu_tanh_rounded(g, dt):
 
 
 @triton.jit
+def gelu_mul_rounded(g, u, dt):
+    """HF's ``act_fn(gate) * up`` on fp32 GEMM sums: gate and up rounded to dt (the GEMM's output),
+    gelu's output rounded, the product rounded."""
+    g = g.to(dt).to(tl.float32)
+    u = u.to(dt).to(tl.float32)
+    return (gelu_tanh_rounded(g, dt) * u).to(dt)
+
+
+@triton.jit
 def _gelu_tanh_mul_kernel(G, U, O, sg, su, so, D, N, BLOCK: tl.constexpr, FLAT: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     if FLAT:    # blocks over all rows x D outputs: no block straddles a row end half-masked

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from gemma4opt.kernels._util import pdl_flags, pdl_prologue
-from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_rounded
+from gemma4opt.kernels.gelu_tanh_mul import gelu_mul_rounded
 from gemma4opt.kernels.skinny_linear import _COMPILED
 
 MAX_PAIRS = 64          # (token, expert) pairs pair by pair: 8 tokens of top-8; more -> kernels/moe_grouped.py
@@ -51,15 +51,6 @@ def gate_up_sums(x, g_rows, u_rows, H, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl
             g, u = _gate_up_tile(g, u, x, g_rows, u_rows, k0, H, nmask, BLOCK_K)
             k0 += BLOCK_K
     return g, u
-
-
-@triton.jit
-def gelu_mul_rounded(g, u, dt):
-    """HF's ``act_fn(gate) * up`` on fp32 GEMM sums: gate and up rounded to dt (the GEMM's output),
-    gelu's output rounded, the product rounded."""
-    g = g.to(dt).to(tl.float32)
-    u = u.to(dt).to(tl.float32)
-    return (gelu_tanh_rounded(g, dt) * u).to(dt)
 
 
 @triton.jit

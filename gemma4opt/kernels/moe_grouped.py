@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from gemma4opt.kernels._util import pdl_flags, pdl_prologue
-from gemma4opt.kernels.moe_experts import gelu_mul_rounded
+from gemma4opt.kernels.gelu_tanh_mul import gelu_mul_rounded
 from gemma4opt.kernels.skinny_linear import _COMPILED
 
 MAX_GROUPED_PAIRS = 1024    # 128 tokens of top-8: the sorted expert ids are loaded whole by every program
