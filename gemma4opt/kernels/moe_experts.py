@@ -19,6 +19,7 @@ import triton.language as tl
 
 from gemma4opt.kernels._util import pdl_flags, pdl_prologue
 from gemma4opt.kernels.gelu_tanh_mul import gelu_mul_rounded
+from gemma4opt.kernels.moe_grouped import MAX_GROUPED_PAIRS, moe_experts_grouped_triton
 from gemma4opt.kernels.skinny_linear import _COMPILED
 
 MAX_PAIRS = 64          # (token, expert) pairs pair by pair: 8 tokens of top-8; more -> kernels/moe_grouped.py
@@ -153,8 +154,6 @@ def moe_experts_triton(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     or the other). ``launch``: entries of the chosen path's TILES to use instead of its own. fp8
     experts (quantization="fp8"): gate_up and down in e4m3 with fp32 scales [E, 2I] and [E, H], one
     per (expert, output row); x stays in its dtype (the GEMVs are bound by the weights' bytes)."""
-    from gemma4opt.kernels.moe_grouped import MAX_GROUPED_PAIRS, moe_experts_grouped_triton
-
     T, H = x.shape
     k = top_k_index.shape[-1]
     E, two_i, _ = gate_up.shape
