@@ -9,7 +9,8 @@ heads, head_dim 512) and per way of running one decode query per sequence over p
 what gemma4opt's decode graphs run), ``decode``
 (BatchDecodeWithPagedKVCacheWrapper on CUDA cores) and ``decode-tc`` (the same with tensor
 cores), and ``triton``: gemma4opt's own split-KV decode kernel (kernels/paged_decode.py, what
-decode steps run by default; no plan; ``triton-bN-wW-sS`` tries another BLOCK_N / warps / stages).
+decode steps run by default; no plan; ``triton-bN-wW-sS`` tries another BLOCK_N / warps / stages,
+``-f16`` fp16 dots over an fp8 pool, ``-v8`` its v tile staged in fp8).
 Each is timed as a CUDA graph of 20 runs (no launch or Python overhead), and the KV bytes
 a step must read (window-limited) over that time is compared with the measured copy bandwidth.
 
@@ -84,8 +85,9 @@ def run_case(kind, variant, batch, context, workspace, bw, reps=20, split="auto"
         if variant != "triton":         # triton-bN-wW-sS[-f16] or triton-f16: another launch configuration
             keys = dict(b="block_n", w="num_warps", s="num_stages")
             parts = variant.split("-")[1:]
-            cfg = {keys[x[0]]: int(x[1:]) for x in parts if x != "f16"}
+            cfg = {keys[x[0]]: int(x[1:]) for x in parts if x not in ("f16", "v8")}
             cfg["f16"] = "f16" in parts
+            cfg["v_wide"] = "v8" not in parts      # -v8: v staged in fp8 (see the kernel's V_WIDE)
         kv_scale = torch.ones(2, dtype=torch.float32, device="cuda") if fp8 else None
         return _time(lambda: paged_decode_triton(q, kv, table, lens, window=window or 0, scale=1.0, num_sms=sms,
                                                  config=cfg, kv_scale=kv_scale),

@@ -46,7 +46,8 @@ _COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
 
 @triton.jit
 def _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, scale, m_i, l_i, acc, d,
-          PS: tl.constexpr, BLOCK_N: tl.constexpr, COMPILED: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
+          PS: tl.constexpr, BLOCK_N: tl.constexpr, COMPILED: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+          V_WIDE: tl.constexpr):
     """One BLOCK_N-token tile of the online softmax (tokens gathered through the page table); with
     an fp8 pool the tiles take q's dtype, which the caller may have made fp16 (F16 below)."""
     t = t0 + tl.arange(0, BLOCK_N)
@@ -57,6 +58,13 @@ def _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head
     v = tl.load(KV + s_kv + base[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
     if FP8:         # e4m3 -> the queries' dtype, exactly; the scales are applied by the caller
         k, v = k.to(q.dtype), v.to(q.dtype)
+        if V_WIDE:
+            # Triton stages an fp8 tile in shared memory as fp8 and converts it after. For v, the
+            # operand whose dot contracts over tokens (its strided dim), that means one ld.shared.b8
+            # per element (sm_90 has no 8-bit ldmatrix.trans; seen in the PTX). A masked select
+            # after the conversion (a no-op: masked rows were loaded as 0) keeps the conversion
+            # ahead of the staging: v is staged in fp16 and read with ldmatrix.trans.
+            v = tl.where(tmask[:, None], v, 0.0)
     if not COMPILED:
         q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
     if IEEE:        # fp32 models: exact products (Triton's default for fp32 dots is TF32, ~1e-3 off)
@@ -81,7 +89,8 @@ def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE,
                          sl_b, sl_h, window, scale,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
                          BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, TOKENS: tl.constexpr, COMPILED: tl.constexpr,
-                         IEEE: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr):
+                         IEEE: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr, V_WIDE: tl.constexpr,
+                         PDL: tl.constexpr):
     pdl_prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
     qk_scale = scale
@@ -111,12 +120,12 @@ def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE,
     if COMPILED:
         for t0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, qk_scale,
-                                  m_i, l_i, acc, d, PS, BLOCK_N, COMPILED, IEEE, FP8)
+                                  m_i, l_i, acc, d, PS, BLOCK_N, COMPILED, IEEE, FP8, V_WIDE)
     else:
         t0 = start
         while t0 < end:
             m_i, l_i, acc = _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, qk_scale,
-                                  m_i, l_i, acc, d, PS, BLOCK_N, COMPILED, IEEE, FP8)
+                                  m_i, l_i, acc, d, PS, BLOCK_N, COMPILED, IEEE, FP8, V_WIDE)
             t0 += BLOCK_N
     empty = l_i == 0.0              # a split past the end (or a chunk with nothing visible)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -226,7 +235,8 @@ def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, 
         table.shape[1], out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1), window, scale,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, PS=ps, BLOCK_N=cfg["block_n"], NSPLIT=n,
-        TOKENS=tokens, COMPILED=_COMPILED, IEEE=q.dtype == torch.float32, FP8=fp8, F16=f16, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        TOKENS=tokens, COMPILED=_COMPILED, IEEE=q.dtype == torch.float32, FP8=fp8, F16=f16,
+        V_WIDE=bool(cfg.get("v_wide", True)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_flags(out))
     if n > 1:
         block_d = min(D, 64)
