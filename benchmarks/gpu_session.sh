@@ -353,6 +353,15 @@ for s in "$@"; do
             --variants triton --batch 1 32 64 --context 160 4096 --json $OUT/attention.jsonl"
       stage tests-decode-kernel 200 $PYTEST tests/gpu/test_gpu_decode_kernel.py tests/gpu/test_gpu_fp8_kv.py \
             tests/kernels/test_paged_decode_kernel.py ;;
+    attention-fp8-sweep2)
+      VS="triton triton-b64-w8-s2-f16 triton-b32-w4-s1-f16 triton-b32-w4-s2-r128-f16 triton-b64-w4-s2-r128-f16 \
+          triton-b32-w4-s3-r128-f16 triton-b64-w8-s3-f16 triton-b32-w8-s2-f16 triton-b32-w4-s1-r96-f16"
+      VF="triton triton-b32-w4-s2-f16 triton-b16-w4-s2-f16 triton-b16-w4-s2-r128-f16 triton-b32-w8-s2-f16 \
+          triton-b32-w8-s3-f16 triton-b16-w4-s3-f16 triton-b16-w4-s1-f16 triton-b16-w8-s2-f16"
+      stage attention-fp8-sweep2 300 bash -c "python3 benchmarks/bench_attention.py --kinds sliding --variants $VS \
+            --kv-dtype fp8 --batch 32 64 --context 4096 --json $OUT/attention.jsonl && \
+            python3 benchmarks/bench_attention.py --kinds full --variants $VF --kv-dtype fp8 --batch 32 64 \
+            --context 4096 --json $OUT/attention.jsonl" ;;
     fp8-attention-26b)
       # The Triton decode kernel over an fp8 pool: launch configurations and fp16 dots, against the bf16 pool's
       # default in the same run; then the 26b-a4b at batch 1, bf16 against fp8 weights and lm_head; then the

@@ -174,22 +174,24 @@ def supported(num_heads: int, kv_heads: int, head_dim: int) -> str | None:
 
 
 def launch_config(head_dim: int, rows: int, fp8: bool = False) -> dict:
-    """BLOCK_N, num_warps, num_stages of the split kernel, and for an fp8 pool whether its dots run
-    in fp16. Measured on an H200 (benchmarks/bench_attention.py, 31b geometry): head_dim 512 takes
-    16-token tiles on 8 warps best at one row of short context (7.8 µs against 9.2 at 160 tokens)
-    and 32-token tiles on 4 warps from 8 rows up (8 rows of 4096 tokens: 90 µs against 128; 64 rows:
-    511 µs, 99 % of copy bandwidth, against 928); head_dim 256: 32 on 4.
+    """BLOCK_N, num_warps, num_stages (and maxnreg where set) of the split kernel, and for an fp8 pool
+    whether its dots run in fp16. Measured on an H200 (benchmarks/bench_attention.py, 31b geometry):
+    head_dim 512 takes 16-token tiles on 8 warps best at one row of short context (7.8 µs against 9.2
+    at 160 tokens) and 32-token tiles on 4 warps from 8 rows up (8 rows of 4096 tokens: 90 µs against
+    128; 64 rows: 511 µs, 99 % of copy bandwidth, against 928); head_dim 256: 32 on 4.
 
-    An fp8 pool is bound by converting its tiles, not by their bytes: fp16 dots (e4m3 -> fp16 is
-    one instruction) and, from 8 rows, 64-token tiles (8 warps at head_dim 512, 4 at 256). At 32
-    and 64 rows of 4096 tokens that took the full layer from 602 / 915 µs to 347 / 680, the sliding
-    one from 215 / 341 to 149 / 293; at one row fp16 alone, 26.3 -> 19.6 µs (full, 4096 tokens).
-    Still 37-44 % of copy bandwidth: slower than the bf16 pool beyond a few hundred tokens."""
-    if fp8 and rows >= 8:
-        return dict(block_n=64, num_warps=8 if head_dim >= 512 else 4, num_stages=2, f16=True)
+    An fp8 pool is bound by its instructions and their latency, not by its bytes: fp16 dots (e4m3 ->
+    fp16 is one instruction), v staged in fp16 (the kernel's V_WIDE), and 32-token tiles on 4 warps at
+    every row count. At head_dim 256 the registers are capped at 128 (142 otherwise; no spill), so that
+    four programs share an SM rather than three. At 32 and 64 rows of 4096 tokens the sliding layer went
+    from 149 / 293 µs (64-token tiles, v staged in fp8) to 118 / 229, 54-55 % of copy bandwidth; the
+    full one from 347 / 680 (64 on 8 warps) to 274 / 477, 47-54 %; one row of 4096 tokens, full: 13.6
+    µs against 18.8 (16 on 8 warps)."""
+    if fp8:
+        return dict(block_n=32, num_warps=4, num_stages=2, f16=True, **({"maxnreg": 128} if head_dim <= 256 else {}))
     if head_dim >= 512 and rows < 8:
-        return dict(block_n=16, num_warps=8, num_stages=2, f16=fp8)
-    return dict(block_n=32, num_warps=4, num_stages=2, f16=fp8)
+        return dict(block_n=16, num_warps=8, num_stages=2, f16=False)
+    return dict(block_n=32, num_warps=4, num_stages=2, f16=False)
 
 
 def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor,
@@ -237,6 +239,7 @@ def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, 
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, PS=ps, BLOCK_N=cfg["block_n"], NSPLIT=n,
         TOKENS=tokens, COMPILED=_COMPILED, IEEE=q.dtype == torch.float32, FP8=fp8, F16=f16,
         V_WIDE=bool(cfg.get("v_wide", True)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         **pdl_flags(out))
     if n > 1:
         block_d = min(D, 64)

@@ -138,11 +138,13 @@ def _fp8_pool(kv, scales):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("scales", [(1.0, 1.0), (0.05, 3.0)])
-@pytest.mark.parametrize("f16", [False, True])
-def test_fp8_pool_matches_reference(dtype, case, scales, f16):
+@pytest.mark.parametrize("cfg", [dict(f16=False), dict(f16=True), dict(f16=True, v_wide=False)],
+                         ids=["dtype-dots", "f16-dots", "f16-dots-v-staged-fp8"])
+def test_fp8_pool_matches_reference(dtype, case, scales, cfg):
     """An fp8 pool, dequantized with the layer's scales: the kernel (scales folded into the softmax
     scale and the output) against both references (which multiply the values). f16: bf16 queries'
-    dots in fp16 (other dtypes ignore it)."""
+    dots in fp16 (other dtypes ignore it); v_wide=False: the v tile staged in fp8, as before the
+    kernel converted it first (the two must agree: only where the conversion runs differs)."""
     from gemma4opt.paged.backends.triton import paged_decode_reference
 
     lens, ps, H, kvh, D, window, splits, ring = case
@@ -157,7 +159,7 @@ def test_fp8_pool_matches_reference(dtype, case, scales, f16):
     table_ref = paged_decode_reference(q.float(), kv8, table, lens32, window, 0.7, kv_scale=kv_scale)
     torch.testing.assert_close(table_ref, want, rtol=1e-5, atol=1e-5)
     got = paged_decode_triton(*(t.to(DEVICE) for t in (q, kv8, table, lens32)), window=window, scale=0.7, num_sms=4,
-                              splits=splits, kv_scale=kv_scale.to(DEVICE), config=dict(f16=f16))
+                              splits=splits, kv_scale=kv_scale.to(DEVICE), config=cfg)
     close(got.cpu(), want, dtype)
 
 
