@@ -61,10 +61,13 @@ def _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head
         if V_WIDE:
             # Triton stages an fp8 tile in shared memory as fp8 and converts it after. For v, the
             # operand whose dot contracts over tokens (its strided dim), that means one ld.shared.b8
-            # per element (sm_90 has no 8-bit ldmatrix.trans; seen in the PTX). A masked select
-            # after the conversion (a no-op: masked rows were loaded as 0) keeps the conversion
-            # ahead of the staging: v is staged in fp16 and read with ldmatrix.trans.
-            v = tl.where(tmask[:, None], v, 0.0)
+            # per element (sm_90 has no 8-bit ldmatrix.trans; seen in the PTX). An op with a
+            # per-token operand after the conversion keeps the conversion ahead of the staging (a
+            # splat would be folded or hoisted): v is staged in fp16 and read with ldmatrix.trans.
+            # Times the mask, 1 or 0 (masked rows were loaded as 0): one packed HMUL2 per two
+            # elements, where a select took one SEL each and byte permutes (sm_90 SASS of the loop:
+            # 642 instructions a 32-token tile at head_dim 256, 745 with a select).
+            v = v * tmask.to(v.dtype)[:, None]
     if not COMPILED:
         q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
     if IEEE:        # fp32 models: exact products (Triton's default for fp32 dots is TF32, ~1e-3 off)
