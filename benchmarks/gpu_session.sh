@@ -366,7 +366,8 @@ for s in "$@"; do
             python3 benchmarks/bench_attention.py --kinds full --variants $VF --kv-dtype fp8 --batch 32 64 \
             --context 4096 --json $OUT/attention.jsonl" ;;
     attention-fp8-defaults)
-      V="triton triton-b64-w4-s2-f16-v8 triton-b64-w8-s2-f16-v8 triton-b32-w4-s2-f16-v8 triton-b16-w8-s2-f16-v8"
+      V="triton triton-b64-w4-s2-r128-f16 triton-b64-w8-s2-f16 triton-b32-w8-s2-f16 triton-b64-w4-s2-f16-v8 \
+         triton-b64-w8-s2-f16-v8 triton-b32-w4-s2-f16-v8 triton-b16-w8-s2-f16-v8"
       stage attention-fp8-defaults 200 bash -c "python3 benchmarks/bench_attention.py --variants $V --kv-dtype fp8 \
             --batch 1 8 32 64 --context 160 4096 --json $OUT/attention.jsonl && python3 benchmarks/bench_attention.py \
             --variants triton --batch 1 8 32 64 --context 160 4096 --json $OUT/attention.jsonl"
