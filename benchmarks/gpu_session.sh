@@ -104,6 +104,9 @@
 #   attention-fp8-defaults  the Triton decode kernel over an fp8 pool: its launch defaults against the
 #              earlier ones (64- / 32- / 16-token tiles, v staged in fp8: -v8), batch 1-64, context 160 and
 #              4096, the bf16 pool's default in the same run (200 s); the decode-kernel GPU tests (200 s).
+#   attention-fp8-final  the decode kernel's GPU tests (fp8 pool and bf16, 150 s), then its fp8 launch
+#              defaults against the earlier ones (-v8), batch 1-64, context 160 and 4096, and the bf16 pool's
+#              default in the same run (150 s).
 #   fp8-attention-26b  the Triton decode kernel over an fp8 pool, eight launch configurations with and without
 #              fp16 dots, batch 1-64, and the bf16 pool's default (170 s); the 26b-a4b at batch 1, bf16 and fp8
 #              weights + lm_head (280 s); the 31b x 12 fp8 decode step's kernels in order (120 s).
@@ -373,6 +376,12 @@ for s in "$@"; do
             --variants triton --batch 1 8 32 64 --context 160 4096 --json $OUT/attention.jsonl"
       stage tests-decode-kernel 200 $PYTEST tests/gpu/test_gpu_decode_kernel.py tests/gpu/test_gpu_fp8_kv.py \
             tests/kernels/test_paged_decode_kernel.py ;;
+    attention-fp8-final)
+      stage tests-decode-kernel 150 $PYTEST tests/gpu/test_gpu_decode_kernel.py tests/gpu/test_gpu_fp8_kv.py
+      V="triton triton-b32-w4-s2-f16-v8 triton-b64-w4-s2-f16-v8 triton-b64-w8-s2-f16-v8 triton-b16-w8-s2-f16-v8"
+      stage attention-fp8-final 150 bash -c "python3 benchmarks/bench_attention.py --variants $V --kv-dtype fp8 \
+            --batch 1 8 32 64 --context 160 4096 --json $OUT/attention.jsonl && python3 benchmarks/bench_attention.py \
+            --variants triton --batch 1 8 32 64 --context 160 4096 --json $OUT/attention.jsonl" ;;
     fp8-attention-26b)
       # The Triton decode kernel over an fp8 pool: launch configurations and fp16 dots, against the bf16 pool's
       # default in the same run; then the 26b-a4b at batch 1, bf16 against fp8 weights and lm_head; then the
