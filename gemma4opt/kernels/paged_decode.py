@@ -186,10 +186,10 @@ def launch_config(head_dim: int, rows: int, fp8: bool = False) -> dict:
     An fp8 pool is bound by its instructions and their latency, not by its bytes: fp16 dots (e4m3 ->
     fp16 is one instruction), v staged in fp16 (the kernel's V_WIDE), and 32-token tiles on 4 warps at
     every row count. At head_dim 256 the registers are capped at 128 (142 otherwise; no spill), so that
-    four programs share an SM rather than three. At 32 and 64 rows of 4096 tokens the sliding layer went
-    from 149 / 293 µs (64-token tiles, v staged in fp8) to 118 / 229, 54-55 % of copy bandwidth; the
-    full one from 347 / 680 (64 on 8 warps) to 274 / 477, 47-54 %; one row of 4096 tokens, full: 13.6
-    µs against 18.8 (16 on 8 warps)."""
+    four programs share an SM rather than three. In one run (2026-12-03/attention-fp8-final), at 32 and
+    64 rows of 4096 tokens the sliding layer took 118 / 229 µs, 55-56 % of copy bandwidth, against
+    154 / 295 with 64-token tiles and v staged in fp8; the full one 275 / 478, 47-54 %, against 349 /
+    681 (64 on 8 warps); one row of 4096 tokens, full: 13.8 µs against 19.7 (16 on 8 warps)."""
     if fp8:
         return dict(block_n=32, num_warps=4, num_stages=2, f16=True, **({"maxnreg": 128} if head_dim <= 256 else {}))
     if head_dim >= 512 and rows < 8:
