@@ -24,8 +24,9 @@ An fp8 (e4m3) pool is read with the layer's scales ``kv_scale`` [k, v] fp32: til
 to the queries' dtype (exact: every e4m3 value is a bf16, fp16 and fp32 value) and the scales
 are applied once, not per element: k's folded into the softmax scale, v's on the output (the
 reference, ops/kv_append.py, multiplies the values; equal up to rounding, exactly at scale 1).
-bf16 queries over an fp8 pool run their dots in fp16 (``launch_config``'s f16): converting the
-tiles is this kernel's bound there, and e4m3 -> fp16 is one instruction where -> bf16 takes three.
+bf16 queries over an fp8 pool run their dots in fp16 (``launch_config``'s f16): over fp8 pages
+this kernel is bound by its instructions, not its bytes, converting the tiles among the most, and
+e4m3 -> fp16 is one instruction where -> bf16 takes three.
 """
 from __future__ import annotations
 
