@@ -82,7 +82,7 @@ def run_case(kind, variant, batch, context, workspace, bw, reps=20, split="auto"
         lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         cfg = None
-        if variant != "triton":         # triton-bN-wW-sS[-f16] or triton-f16: another launch configuration
+        if variant != "triton":         # triton-bN-wW-sS[-rR][-f16][-v8], triton-f16: another launch configuration
             keys = dict(b="block_n", w="num_warps", s="num_stages", r="maxnreg")
             parts = variant.split("-")[1:]
             cfg = {keys[x[0]]: int(x[1:]) for x in parts if x not in ("f16", "v8")}

@@ -98,15 +98,9 @@
 #   fp8-check  the split gelu / row quantization kernel tests (80 s), the Triton decode kernel over an fp8 pool at
 #              batch 32 and 64, 4k context (60 s), the 31b x 12 at batch 1 and 32: fp8 weights and lm_head, bf16,
 #              HF static cache + torch.compile, HF eager (420 s).
-#   attention-fp8-vwide  the Triton decode kernel over an fp8 pool with its v tile staged in fp16 against
-#              staged in fp8 (-v8), launch configurations at batch 32 and 64 of 4k context and at batch 1,
-#              the bf16 pool's default in the same run (240 s); the decode-kernel GPU tests (200 s).
-#   attention-fp8-defaults  the Triton decode kernel over an fp8 pool: its launch defaults against the
-#              earlier ones (64- / 32- / 16-token tiles, v staged in fp8: -v8), batch 1-64, context 160 and
-#              4096, the bf16 pool's default in the same run (200 s); the decode-kernel GPU tests (200 s).
 #   attention-fp8-final  the decode kernel's GPU tests (fp8 pool and bf16, 150 s), then its fp8 launch
-#              defaults against the earlier ones (-v8), batch 1-64, context 160 and 4096, and the bf16 pool's
-#              default in the same run (150 s).
+#              defaults against those of commit 97eac83 (v staged in fp8: -v8), batch 1-64, context 160 and
+#              4096, and the bf16 pool's default in the same run (150 s).
 #   fp8-attention-26b  the Triton decode kernel over an fp8 pool, eight launch configurations with and without
 #              fp16 dots, batch 1-64, and the bf16 pool's default (170 s); the 26b-a4b at batch 1, bf16 and fp8
 #              weights + lm_head (280 s); the 31b x 12 fp8 decode step's kernels in order (120 s).
@@ -349,33 +343,6 @@ for s in "$@"; do
             --context 4096 --json "$OUT/attention.jsonl"
       stage fp8-31b 420 $GEN 31b --layers 12 --batch 1 32 --systems gemma4opt-fp8-head gemma4opt static_compile eager \
             --json "$OUT/generate.jsonl" ;;
-    attention-fp8-vwide)
-      V="triton triton-b64-w4-s2-f16-v8 triton-b64-w8-s2-f16-v8 triton-b32-w4-s2-f16 triton-b64-w4-s3-f16 \
-         triton-b32-w4-s3-f16 triton-b64-w8-s2-f16 triton-b32-w8-s2-f16 triton-b64-w4-s2-f16 triton-b128-w4-s2-f16"
-      stage attention-fp8-vwide 240 bash -c "python3 benchmarks/bench_attention.py --variants $V --kv-dtype fp8 \
-            --batch 32 64 --context 4096 --json $OUT/attention.jsonl && python3 benchmarks/bench_attention.py \
-            --variants triton triton-b64-w4-s2-f16-v8 triton-b32-w4-s2-f16 --kv-dtype fp8 --batch 1 8 \
-            --context 160 4096 --json $OUT/attention.jsonl && python3 benchmarks/bench_attention.py \
-            --variants triton --batch 1 32 64 --context 160 4096 --json $OUT/attention.jsonl"
-      stage tests-decode-kernel 200 $PYTEST tests/gpu/test_gpu_decode_kernel.py tests/gpu/test_gpu_fp8_kv.py \
-            tests/kernels/test_paged_decode_kernel.py ;;
-    attention-fp8-sweep2)
-      VS="triton triton-b64-w8-s2-f16 triton-b32-w4-s1-f16 triton-b32-w4-s2-r128-f16 triton-b64-w4-s2-r128-f16 \
-          triton-b32-w4-s3-r128-f16 triton-b64-w8-s3-f16 triton-b32-w8-s2-f16 triton-b32-w4-s1-r96-f16"
-      VF="triton triton-b32-w4-s2-f16 triton-b16-w4-s2-f16 triton-b16-w4-s2-r128-f16 triton-b32-w8-s2-f16 \
-          triton-b32-w8-s3-f16 triton-b16-w4-s3-f16 triton-b16-w4-s1-f16 triton-b16-w8-s2-f16"
-      stage attention-fp8-sweep2 300 bash -c "python3 benchmarks/bench_attention.py --kinds sliding --variants $VS \
-            --kv-dtype fp8 --batch 32 64 --context 4096 --json $OUT/attention.jsonl && \
-            python3 benchmarks/bench_attention.py --kinds full --variants $VF --kv-dtype fp8 --batch 32 64 \
-            --context 4096 --json $OUT/attention.jsonl" ;;
-    attention-fp8-defaults)
-      V="triton triton-b64-w4-s2-r128-f16 triton-b64-w8-s2-f16 triton-b32-w8-s2-f16 triton-b64-w4-s2-f16-v8 \
-         triton-b64-w8-s2-f16-v8 triton-b32-w4-s2-f16-v8 triton-b16-w8-s2-f16-v8"
-      stage attention-fp8-defaults 200 bash -c "python3 benchmarks/bench_attention.py --variants $V --kv-dtype fp8 \
-            --batch 1 8 32 64 --context 160 4096 --json $OUT/attention.jsonl && python3 benchmarks/bench_attention.py \
-            --variants triton --batch 1 8 32 64 --context 160 4096 --json $OUT/attention.jsonl"
-      stage tests-decode-kernel 200 $PYTEST tests/gpu/test_gpu_decode_kernel.py tests/gpu/test_gpu_fp8_kv.py \
-            tests/kernels/test_paged_decode_kernel.py ;;
     attention-fp8-final)
       stage tests-decode-kernel 150 $PYTEST tests/gpu/test_gpu_decode_kernel.py tests/gpu/test_gpu_fp8_kv.py
       V="triton triton-b32-w4-s2-f16-v8 triton-b64-w4-s2-f16-v8 triton-b64-w8-s2-f16-v8 triton-b16-w8-s2-f16-v8"
