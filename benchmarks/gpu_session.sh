@@ -58,6 +58,10 @@
 #              32 and 64 tokens of the 26b-a4b (120 s). moe-grouped-kernels: the op against Inductor's batched
 #              path at 8-64 tokens (150 s).
 #   presets-26b-32  the 26b-a4b at batch 32 against eager and HF static + compile (400 s).
+#   fp8-moe-prefill  fp8 experts' prefill (above 1024 (token, expert) pairs): their GPU tests (150 s), the 26b-a4b
+#              at one 2048-token prompt in bf16 and with fp8 weights + lm_head against eager (300 s), then
+#              .baseline's fp8 (120 s). fp8-moe-32: the 26b-a4b at batch 32, bf16 and fp8 against eager and
+#              HF static + compile (560 s).
 #   moe-grouped-fp8  fp8 experts expert by expert: their GPU tests (90 s), the 26b-a4b at batch 32 in bf16 and with fp8
 #              weights + lm_head (300 s).
 #   moe-e2b-ab  no FlashInfer: MoE / norm_add kernel tests, the 26b-a4b MoE decode op and e2b "hf"-mode
@@ -310,6 +314,20 @@ for s in "$@"; do
       stage moe-grouped-fp8-tests 90 $PYTEST tests/gpu/test_gpu_moe_experts.py -k fp8
       stage moe-grouped-fp8-26b-32 300 $GEN 26b-a4b --batch 32 --systems gemma4opt gemma4opt-fp8-head \
             --json "$OUT/generate.jsonl" ;;
+    fp8-moe-prefill)    # fp8 experts above 1024 pairs (prefill): tests; the 26b-a4b, one 2048-token prompt,
+      # bf16 and fp8 weights + lm_head against eager, then .baseline's fp8 in the same call
+      stage fp8-moe-prefill-tests 150 $PYTEST tests/gpu/test_gpu_moe_experts.py -k fp8
+      stage fp8-moe-prefill-2048 300 $GEN 26b-a4b --batch 1 --prompt 2048 --new 16 --systems eager gemma4opt \
+            gemma4opt-fp8-head --json "$OUT/generate.jsonl"
+      if [ -d .baseline/gemma4opt ]; then
+        (cd .baseline && ln -sfn ../patterns gemma4opt/patterns && export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} &&
+         stage fp8-moe-prefill-2048-before 120 $GEN 26b-a4b --batch 1 --prompt 2048 --new 16 \
+               --systems gemma4opt-fp8-head --json "$OUT/generate_before.jsonl")
+      fi ;;
+    fp8-moe-32)         # the 26b-a4b at batch 32 (4096 prompt tokens: fp8 prefill above 1024 pairs), bf16 and
+      # fp8 weights + lm_head against eager and HF static + compile
+      stage fp8-moe-32 560 $GEN 26b-a4b --batch 32 --new 32 --systems eager gemma4opt gemma4opt-fp8-head \
+            static_compile --json "$OUT/generate.jsonl" ;;
     presets-26b-32)     # the 26b-a4b at batch 32 against eager and HF static + compile
       stage presets-26b-32 400 $GEN 26b-a4b --batch 32 --systems eager gemma4opt static_compile --json "$OUT/generate.jsonl" ;;
     speed-31b-full-fp8)

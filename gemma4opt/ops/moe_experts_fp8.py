@@ -12,10 +12,14 @@ Activations stay in the model dtype (weight-only fp8): at decode the experts' GE
 the weight bytes, which fp8 halves; quantizing the activations too would add error and save no time.
 On CUDA up to kernels/moe_grouped.py's MAX_GROUPED_PAIRS (token, expert) pairs (decode, short
 prefills) run gemma4opt's decode kernels (kernels/moe_experts.py's ``moe_experts_triton``) with the
-scales in their epilogues; more (prefill) run ``moe_experts_fp8_grouped``: the
-same fp32 math as batched matmuls over the experts that have tokens, padded to the busiest one's
-count (the reference's loop over experts, one host sync and a dozen launches each, made the
-26b-a4b's prefill of 128 tokens take 1044 ms against 82 in bf16 on an H200). CPU runs the reference.
+scales in their epilogues; more (prefill) run ``moe_experts_fp8_grouped``: batched matmuls over the
+experts that have tokens, padded to the busiest one's count. Their operands are the model dtype's:
+e4m3 weights widen to bf16 / fp16 exactly and each product of two such values is exact in fp32, so a
+tensor-core GEMM with fp32 sums (``torch.bmm(..., out_dtype=float32)``) and the scale on each row's sum
+is the reference's fp32 math up to the order of the additions. (The reference's loop over experts, one
+host sync and a dozen launches each, made the 26b-a4b's prefill of 128 tokens take 1044 ms against 82
+in bf16 on an H200; fp32 batched matmuls over dequantized fp32 weights took 662 ms against 122 at
+32 x 128 tokens.) CPU runs the reference.
 """
 from __future__ import annotations
 
@@ -60,19 +64,35 @@ def _sum_in_order(parts):
     return out
 
 
-# Experts dequantized at once: fp32 copies of this many experts' weights at most (the 26b-a4b's:
-# 16 x 23 MB), so a prefill touching all 128 of them does not hold 3 GB more.
+# Experts widened at once: copies of this many experts' weights in the model dtype at most (the
+# 26b-a4b's: 16 x 12 MB), so a prefill touching all 128 of them does not hold 1.5 GB more.
 _GROUP = 16
+
+
+def _exact_operand_dtype(dt: torch.dtype) -> torch.dtype:
+    """The dtype the grouped path multiplies in: the model's where every e4m3 value is one of its values
+    and every product of two of them is exact in fp32 (bf16: 8 x 4 significand bits; fp16: 11 x 4)."""
+    return dt if dt in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def _bmm_fp32_sums(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (batched) with the fp32 sums returned unrounded: on CUDA a bf16 / fp16 tensor-core GEMM
+    with an fp32 output, elsewhere an fp32 bmm of the same (exactly widened) values."""
+    if a.is_cuda and a.dtype != torch.float32:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
 
 
 def moe_experts_fp8_grouped(x, top_k_index, top_k_weights, gate_up, gate_up_scale, down, down_scale):
     """moe_experts_fp8_reference's math with one host sync: the (token, expert) pairs sorted by
     expert, each expert's tokens a row block of a zero-padded batch, ``_GROUP`` experts' weights
-    dequantized and multiplied at a time (fp32 bmm: the reference's fp32 sums, in another order)."""
+    widened and multiplied at a time (fp32 sums, the scales on each row's sum: the reference's math,
+    the additions in another order)."""
     T, k = top_k_index.shape
     H = x.shape[-1]
     I = gate_up.shape[1] // 2
     dt = x.dtype
+    wdt = _exact_operand_dtype(dt)
     flat = top_k_index.reshape(-1)                  # pair p = token * k + slot
     order = torch.argsort(flat, stable=True)
     experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
@@ -80,16 +100,16 @@ def moe_experts_fp8_grouped(x, top_k_index, top_k_weights, gate_up, gate_up_scal
     group = torch.repeat_interleave(torch.arange(experts.numel(), device=x.device), counts)
     pos = torch.arange(order.numel(), device=x.device) - starts[group]
     rows = int(counts.max()) if counts.numel() else 0      # the one host sync
-    xs = torch.zeros(experts.numel(), rows, H, dtype=torch.float32, device=x.device)
-    xs[group, pos] = x[order // k].float()
+    xs = torch.zeros(experts.numel(), rows, H, dtype=wdt, device=x.device)
+    xs[group, pos] = x[order // k].to(wdt)
     ys = torch.empty(experts.numel(), rows, H, dtype=torch.float32, device=x.device)
     for g0 in range(0, experts.numel(), _GROUP):
         e = experts[g0:g0 + _GROUP]
-        w_gu = gate_up[e].float() * gate_up_scale[e].float()[..., None]
-        gu = torch.bmm(xs[g0:g0 + _GROUP], w_gu.transpose(1, 2)).to(dt)
-        act = F.gelu(gu[..., :I], approximate="tanh") * gu[..., I:]
-        w_d = down[e].float() * down_scale[e].float()[..., None]
-        ys[g0:g0 + _GROUP] = torch.bmm(act.float(), w_d.transpose(1, 2)).to(dt).float()
+        gu = _bmm_fp32_sums(xs[g0:g0 + _GROUP], gate_up[e].to(wdt).transpose(1, 2))
+        gu = (gu * gate_up_scale[e].float()[:, None, :]).to(dt)
+        act = (F.gelu(gu[..., :I], approximate="tanh") * gu[..., I:]).to(wdt)
+        y = _bmm_fp32_sums(act, down[e].to(wdt).transpose(1, 2))
+        ys[g0:g0 + _GROUP] = (y * down_scale[e].float()[:, None, :]).to(dt).float()
     parts = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
     parts[order] = ys[group, pos] * top_k_weights.reshape(-1)[order].float()[:, None]
     return _sum_in_order(parts.view(T, k, H)).to(dt)

@@ -47,10 +47,12 @@ def test_kernels_and_op_match_hf_at_real_dims(tokens):
     assert key in moe_op.picks() and key not in moe_op.failures()
 
 
-@pytest.mark.parametrize("tokens", [16, 48])
+@pytest.mark.parametrize("tokens", [16, 48, 256])
 def test_fp8_grouped_kernels_match_reference_at_real_dims(tokens):
     """quantization="fp8" experts above 64 pairs: the e4m3 rows converted in the grouped kernels'
-    tiles (compiled tl.dot; the interpreter tests run fp32 dots) against the op's reference."""
+    tiles (compiled tl.dot; the interpreter tests run fp32 dots) against the op's reference; above
+    1024 pairs (256 tokens: a prefill) the batched tensor-core GEMMs with fp32 sums."""
+    from gemma4opt.kernels.moe_grouped import MAX_GROUPED_PAIRS
     from gemma4opt.ops.fp8 import quantize_rows_reference
     from gemma4opt.ops.moe_experts_fp8 import moe_experts_fp8_reference
 
@@ -61,4 +63,5 @@ def test_fp8_grouped_kernels_match_reference_at_real_dims(tokens):
         d_q, d_s = quantize_rows_reference(m.down_proj)
         want = moe_experts_fp8_reference(x, idx, w, gu_q, gu_s, d_q, d_s).float()
         got = torch.ops.gemma4opt.moe_experts_fp8(x, idx, w, gu_q, gu_s, d_q, d_s).float()
+    assert (tokens * k > MAX_GROUPED_PAIRS) == (tokens == 256)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
