@@ -58,7 +58,8 @@
 #              32 and 64 tokens of the 26b-a4b (120 s). moe-grouped-kernels: the op against Inductor's batched
 #              path at 8-64 tokens (150 s).
 #   presets-26b-32  the 26b-a4b at batch 32 against eager and HF static + compile (400 s).
-#   fp8-moe-prefill  fp8 experts' prefill (above 1024 (token, expert) pairs): their GPU tests (150 s), the 26b-a4b
+#   fp8-moe-prefill  fp8 experts' prefill (above 1024 (token, expert) pairs): their GPU tests (150 s), the op
+#              against HF's bf16 experts at 2048 and 4096 tokens, 16-128 experts widened at once (120 s), the 26b-a4b
 #              at one 2048-token prompt in bf16 and with fp8 weights + lm_head against eager (300 s), then
 #              .baseline's fp8 (120 s). fp8-moe-32: the 26b-a4b at batch 32, bf16 and fp8 against eager and
 #              HF static + compile (560 s).
@@ -316,7 +317,10 @@ for s in "$@"; do
             --json "$OUT/generate.jsonl" ;;
     fp8-moe-prefill)    # fp8 experts above 1024 pairs (prefill): tests; the 26b-a4b, one 2048-token prompt,
       # bf16 and fp8 weights + lm_head against eager, then .baseline's fp8 in the same call
-      stage fp8-moe-prefill-tests 150 $PYTEST tests/gpu/test_gpu_moe_experts.py -k fp8
+      stage fp8-moe-prefill-tests 150 $PYTEST tests/gpu/test_gpu_moe_experts.py -k fp8 \
+            tests/kernels/test_widen_e4m3_kernel.py
+      stage fp8-moe-prefill-op 120 python3 benchmarks/bench_moe_prefill.py --tokens 2048 4096 --groups 16 32 128 \
+            --top 8 --json "$OUT/moe_prefill.jsonl"
       stage fp8-moe-prefill-2048 300 $GEN 26b-a4b --batch 1 --prompt 2048 --new 16 --systems eager gemma4opt \
             gemma4opt-fp8-head --json "$OUT/generate.jsonl"
       if [ -d .baseline/gemma4opt ]; then
