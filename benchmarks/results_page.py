@@ -6,7 +6,8 @@
 One JSON-lines file per suite, every row carrying its run id, the commit that recorded it, the
 machine and the command that measured it: generate_<machine>.jsonl (bench_generate.py),
 kernels_<machine>.jsonl (bench_kernels.py), attention_<machine>.jsonl (bench_attention.py),
-sweeps_<machine>.jsonl (launch-configuration sweeps), fp8_linear_sweeps_<machine>.jsonl (sweep_fp8_linear.py); profile_<machine>.txt is profile_decode.py's
+sweeps_<machine>.jsonl (launch-configuration sweeps), fp8_linear_sweeps_<machine>.jsonl (sweep_fp8_linear.py),
+moe_prefill_<machine>.jsonl (bench_moe_prefill.py); profile_<machine>.txt is profile_decode.py's
 printout. Ratios compare rows of the same run, same batch and prompt only.
 """
 from __future__ import annotations
@@ -149,6 +150,16 @@ def attention_section(rows):
                    f"{r['us']:.1f}", f"{r['kv_mb']:.1f}", _pct(r["bw_frac"])])
 
 
+def moe_prefill_section(rows):
+    return _table_section(
+        "MoE experts at prefill", "The MoE experts op at prefill token counts (bench_moe_prefill.py): HF's bf16 "
+        "experts module (grouped_mm) against gemma4opt's fp8 experts above the decode kernels' 1024 (token, expert) "
+        "pairs, with the number of experts widened at once. ms per call (CUDA events, median of 5).", rows,
+        ["preset", "tokens", "pairs", "busiest expert", "system", "ms"],
+        ["---", "---:", "---:", "---:", "---", "---:"],
+        lambda r: [r["preset"], str(r["tokens"]), str(r["pairs"]), str(r["busiest"]), r["system"], f"{r['ms']:.2f}"])
+
+
 def fp8_quality_section(rows):
     return _table_section(
         "fp8 quality", "Teacher-forced logits of the same random-weight model with its attention and dense-MLP "
@@ -215,6 +226,7 @@ def render() -> str:
     lines += kernels_section(_rows("kernels_*.jsonl"))
     lines += assisted_section(_rows("assisted_*.jsonl"))
     lines += attention_section(_rows("attention_*.jsonl"))
+    lines += moe_prefill_section(_rows("moe_prefill_*.jsonl"))
     lines += fp8_quality_section(_rows("fp8_quality_*.jsonl"))
     lines += sweeps_section(_rows("sweeps_*.jsonl"))
     lines += fp8_linear_sweeps_section(_rows("fp8_linear_sweeps_*.jsonl"))

@@ -18,8 +18,8 @@ e4m3 weights widen to bf16 / fp16 exactly and each product of two such values is
 tensor-core GEMM with fp32 sums (``torch.bmm(..., out_dtype=float32)``) and the scale on each row's sum
 is the reference's fp32 math up to the order of the additions. (The reference's loop over experts, one
 host sync and a dozen launches each, made the 26b-a4b's prefill of 128 tokens take 1044 ms against 82
-in bf16 on an H200; fp32 batched matmuls over dequantized fp32 weights took 662 ms against 122 at
-32 x 128 tokens.) CPU runs the reference.
+in bf16 on an H200; fp32 batched matmuls over dequantized fp32 weights made its first token after a
+2048-token prompt take 498 ms, 141 with this path, against 122.5 in bf16.) CPU runs the reference.
 """
 from __future__ import annotations
 
