@@ -317,8 +317,8 @@ for s in "$@"; do
             --json "$OUT/generate.jsonl" ;;
     fp8-moe-prefill)    # fp8 experts above 1024 pairs (prefill): tests; the 26b-a4b, one 2048-token prompt,
       # bf16 and fp8 weights + lm_head against eager, then .baseline's fp8 in the same call
-      stage fp8-moe-prefill-tests 150 $PYTEST tests/gpu/test_gpu_moe_experts.py -k fp8 \
-            tests/kernels/test_widen_e4m3_kernel.py
+      stage fp8-moe-prefill-tests 150 $PYTEST tests/gpu/test_gpu_moe_experts.py -k fp8
+      stage widen-e4m3-tests 60 $PYTEST tests/kernels/test_widen_e4m3_kernel.py
       stage fp8-moe-prefill-op 120 python3 benchmarks/bench_moe_prefill.py --tokens 2048 4096 --groups 16 32 128 \
             --top 8 --json "$OUT/moe_prefill.jsonl"
       stage fp8-moe-prefill-2048 300 $GEN 26b-a4b --batch 1 --prompt 2048 --new 16 --systems eager gemma4opt \
