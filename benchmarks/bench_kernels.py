@@ -94,6 +94,40 @@ def _moe_case(cfg, M):
     return "moe_experts (grouped)", moe_experts_triton, _moe_batched_ref, (x, idx, wt, gate_up, down), moved
 
 
+def _moe_fp8(x, idx, wt, gate_up, gate_up_scale, down, down_scale, launch=None):
+    """The fp8 experts (quantization="fp8") through moe_experts_triton; ``launch`` may also hold
+    ``grouped`` (True: the expert-by-expert kernels even at decode's few pairs), which the sweep times."""
+    launch = dict(launch or {})
+    grouped = launch.pop("grouped", None)
+    return moe_experts_triton(x, idx, wt, gate_up, down, launch or None, gate_up_scale, down_scale, grouped=grouped)
+
+
+def _moe_fp8_batched_ref(x, idx, wt, gate_up, gate_up_scale, down, down_scale):
+    """HF's batched_mm path on the chosen experts' rows dequantized to the model dtype, for Inductor."""
+    ids = idx.reshape(-1)
+    gu = (gate_up[ids].float() * gate_up_scale[ids].float()[..., None]).to(x.dtype)
+    dn = (down[ids].float() * down_scale[ids].float()[..., None]).to(x.dtype)
+    T, k = idx.shape
+    xs = x.repeat_interleave(k, dim=0)
+    g, u = torch.bmm(gu, xs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+    h = torch.nn.functional.gelu(g, approximate="tanh") * u
+    y = torch.bmm(dn, h.unsqueeze(-1)).squeeze(-1) * wt.reshape(-1).unsqueeze(-1)
+    return y.view(T, k, -1).sum(dim=1).to(x.dtype)
+
+
+def _moe_fp8_case(cfg, M, bf16_args):
+    """The bf16 case's tokens, routing and experts, the experts quantized as quantization="fp8" does."""
+    from gemma4opt.ops.fp8 import quantize_rows_reference
+
+    x, idx, wt, gate_up, down = bf16_args
+    (gu_q, gu_s), (d_q, d_s) = quantize_rows_reference(gate_up), quantize_rows_reference(down)
+    E, k, H, I = cfg.num_experts, cfg.top_k_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    experts = M * k if M * k <= MAX_PAIRS else idx.unique().numel()       # streamed pair by pair / once
+    moved = _nbytes(x) * 2 + experts * 3 * I * (H + 4)
+    kind = "decode" if M * k <= MAX_PAIRS else "grouped"
+    return f"moe_experts fp8 ({kind})", _moe_fp8, _moe_fp8_batched_ref, (x, idx, wt, gu_q, gu_s, d_q, d_s), moved
+
+
 def _qkv_case(cfg, kind, M, D, heads, cos, sin, w):
     """The paged layer's q/k/v prep + KV append on the merged projection's output (page size 16)."""
     layer = cfg.layer_types.index(f"{kind}_attention")
@@ -169,6 +203,7 @@ def cases(cfg, M):
         pes = torch.randn(cfg.num_experts, device="cuda", dtype=DT)
         if M * cfg.top_k_experts <= MAX_GROUPED_PAIRS:
             out.append(_moe_case(cfg, M))
+            out.append(_moe_fp8_case(cfg, M, out[-1][3]))
         out.append(("moe_router top-k", router_topk_triton, _router_ref, (logits, pes, cfg.top_k_experts),
                     _nbytes(logits) + M * cfg.num_experts * 4 + M * cfg.top_k_experts * 12))
     return out
@@ -189,6 +224,14 @@ def _sweeps():
                     [dict(gu_n=n, gu_k=kk, gu_warps=w) for n in (4, 8, 16, 32) for kk in (256, 512) for w in (2, 4, 8)]
                     + [dict(dn_n=n, dn_k=kk, dn_warps=w) for n in (2, 4, 8, 16, 32) for kk in (256, 512)
                        for w in (2, 4, 8)]),
+            # fp8 experts: gate/up's K tiles up to 1024 (an fp8 row is half the bytes; down's I = 704 takes 256
+            # whatever the bound), and the
+            # grouped kernels at decode's pair counts (their tensor-core dot against the pair-by-pair row sums).
+            "moe_fp8": (lambda n: n == "moe_experts fp8 (decode)",
+                        [dict(gu_n=n, gu_k=kk, gu_warps=w) for n in (4, 8, 16) for kk in (256, 512, 1024)
+                         for w in (4, 8)]
+                        + [dict(dn_n=n, dn_warps=w) for n in (1, 2, 4, 8) for w in (2, 4, 8)]
+                        + [dict(grouped=True)]),
             "softcap": (lambda n: n.startswith("softcap"),
                         [dict(block=b, warps=w) for b in (512, 1024, 2048, 4096, 8192) for w in (2, 4, 8, 16)])}
 
@@ -305,7 +348,7 @@ def main(argv=None):
     ap.add_argument("--linear", action="store_true",
                     help="the decode GEMMs instead (skinny Triton GEMM vs F.linear / cuBLAS; M <= 32)")
     ap.add_argument("--only", default=None, help="only the cases whose name contains this (e.g. moe_experts)")
-    ap.add_argument("--sweep", choices=["norm_rope", "gelu", "softcap", "moe", "moe_grouped"], default=None,
+    ap.add_argument("--sweep", choices=["norm_rope", "gelu", "softcap", "moe", "moe_fp8", "moe_grouped"], default=None,
                     help="time the kernel's launch under every override of its sweep grid (gelu: block x warps)")
     ap.add_argument("--sweep-norm-rope", action="store_true",
                     help="time rms_norm_rope / qkv_norm_rope_append under every (heads per program, warps)")

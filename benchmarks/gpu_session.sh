@@ -402,12 +402,21 @@ for s in "$@"; do
             --attention paged --per-category 30
       GEMMA4OPT_PDL=0 stage profile-26b-8 200 python3 benchmarks/profile_decode.py --preset 26b-a4b --batch 8 \
             --new 16 --attention paged --per-category 30 ;;
+    fp8-moe-decode)
+      # The fp8 experts at decode: every tile of the moe_fp8 sweep (and the grouped kernels) at 1-8 tokens of the
+      # 26b-a4b, the bf16 and fp8 ops against Inductor, then the 26b-a4b's fp8 decode step kernel by kernel (PDL off).
+      stage moe-fp8-sweep 200 python3 benchmarks/bench_kernels.py --sweep moe_fp8 --presets 26b-a4b --m 1 4 8 \
+            --json "$OUT/sweep_moe_fp8.jsonl"
+      stage moe-ops 120 python3 benchmarks/bench_kernels.py --only moe_experts --presets 26b-a4b --m 1 8 32 \
+            --json "$OUT/kernels_moe.json"
+      GEMMA4OPT_PDL=0 stage profile-26b-fp8 260 python3 benchmarks/profile_decode.py --preset 26b-a4b --new 16 \
+            --attention paged --quantization fp8 --quantize-lm-head --per-category 30 ;;
     features)
       MAX_JOBS=16 stage features-tests 300 $PYTEST -s tests/gpu/test_gpu_features.py
       stage features-assisted 420 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b --profile \
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode)" ;;
   esac
 done

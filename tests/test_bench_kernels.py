@@ -59,3 +59,28 @@ def test_sweep_passes_each_launch_to_the_kernel(monkeypatch):
     grid = bench._sweeps()["gelu"][1]
     # each launch run once as a warm-up, once timed; the case the sweep does not select never runs
     assert seen == [None, None] + [over for over in grid for _ in range(2)]
+
+
+def test_fp8_moe_baseline_and_wrapper_match_the_fp8_reference(monkeypatch):
+    """The fp8 MoE row's Inductor baseline is HF's batched_mm on the chosen experts dequantized, and its
+    sweep wrapper hands ``grouped`` to moe_experts_triton apart from the tiles."""
+    from gemma4opt.ops.fp8 import quantize_rows_reference
+    from gemma4opt.ops.moe_experts_fp8 import moe_experts_fp8_reference
+
+    bench = _bench()
+    g = torch.Generator().manual_seed(3)
+    T, k, E, I, H = 3, 2, 5, 12, 20
+    x = torch.randn(T, H, generator=g)
+    (gu_q, gu_s), (d_q, d_s) = (quantize_rows_reference(torch.randn(E, 2 * I, H, generator=g) / 4),
+                                quantize_rows_reference(torch.randn(E, H, I, generator=g) / 3))
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, k, generator=g), -1)
+    want = moe_experts_fp8_reference(x, idx, w, gu_q, gu_s, d_q, d_s)
+    torch.testing.assert_close(bench._moe_fp8_batched_ref(x, idx, w, gu_q, gu_s, d_q, d_s), want,
+                               rtol=1e-5, atol=1e-5)
+    assert want.abs().mean() > 1e-3
+    calls = []
+    monkeypatch.setattr(bench, "moe_experts_triton", lambda *a, grouped=None: calls.append((a[5], grouped)))
+    bench._moe_fp8(x, idx, w, gu_q, gu_s, d_q, d_s, launch=dict(grouped=True))
+    bench._moe_fp8(x, idx, w, gu_q, gu_s, d_q, d_s, launch=dict(gu_k=512))
+    assert calls == [(None, True), ({"gu_k": 512}, None)]
