@@ -407,9 +407,9 @@ for s in "$@"; do
       # 26b-a4b, the bf16 and fp8 ops against Inductor, then the 26b-a4b's fp8 decode step kernel by kernel (PDL off).
       stage moe-fp8-sweep 200 python3 benchmarks/bench_kernels.py --sweep moe_fp8 --presets 26b-a4b --m 1 4 8 \
             --json "$OUT/sweep_moe_fp8.jsonl"
-      stage moe-ops 120 python3 benchmarks/bench_kernels.py --only moe_experts --presets 26b-a4b --m 1 8 32 \
+      stage moe-ops 90 python3 benchmarks/bench_kernels.py --only moe_experts --presets 26b-a4b --m 1 8 32 \
             --json "$OUT/kernels_moe.json"
-      GEMMA4OPT_PDL=0 stage profile-26b-fp8 260 python3 benchmarks/profile_decode.py --preset 26b-a4b --new 16 \
+      GEMMA4OPT_PDL=0 stage profile-26b-fp8 290 python3 benchmarks/profile_decode.py --preset 26b-a4b --new 16 \
             --attention paged --quantization fp8 --quantize-lm-head --per-category 30 ;;
     features)
       MAX_JOBS=16 stage features-tests 300 $PYTEST -s tests/gpu/test_gpu_features.py
