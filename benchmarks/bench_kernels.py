@@ -30,7 +30,8 @@ from gemma4opt.kernels.add_rms_norm import add_rms_norm_triton  # noqa: E402
 from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_mul_triton  # noqa: E402
 from gemma4opt.kernels.moe_experts import MAX_PAIRS, moe_experts_triton  # noqa: E402
 from gemma4opt.kernels.moe_grouped import MAX_GROUPED_PAIRS  # noqa: E402
-from gemma4opt.kernels.moe_router import router_topk_triton  # noqa: E402
+from gemma4opt.kernels.moe_router import router_input_triton, router_topk_triton  # noqa: E402
+from gemma4opt.kernels.moe_router_decode import MAX_ROWS as ROUTER_DECODE_ROWS, router_decode_triton  # noqa: E402
 from gemma4opt.kernels.qkv_norm_rope_append import qkv_norm_rope_append_triton  # noqa: E402
 from gemma4opt.kernels.rms_norm import rms_norm_triton  # noqa: E402
 from gemma4opt.kernels.rms_norm_rope import rms_norm_rope_triton  # noqa: E402
@@ -39,6 +40,7 @@ from gemma4opt.kernels.softcap import softcap_  # noqa: E402
 from gemma4opt.ops.add_rms_norm import add_rms_norm_reference  # noqa: E402
 from gemma4opt.ops.gelu_tanh_mul import gelu_tanh_mul_reference  # noqa: E402
 from gemma4opt.ops.linear_softcap import linear_softcap_reference  # noqa: E402
+from gemma4opt.ops.moe_router import moe_router_reference  # noqa: E402
 from gemma4opt.ops.rms_norm import rms_norm_reference  # noqa: E402
 from gemma4opt.ops.qkv_norm_rope_append import qkv_norm_rope_append_reference  # noqa: E402
 from gemma4opt.ops.rms_norm_rope import rms_norm_rope_reference  # noqa: E402
@@ -128,6 +130,28 @@ def _moe_fp8_case(cfg, M, bf16_args):
     return f"moe_experts fp8 ({kind})", _moe_fp8, _moe_fp8_batched_ref, (x, idx, wt, gu_q, gu_s, d_q, d_s), moved
 
 
+def _router_unfused(x, scale, proj, pes, eps, root, k, w2, eps2):
+    """The router as the op ran it before its one-launch decode kernel: the input kernel (with the
+    experts' norm), cuBLAS's GEMM, the softmax / top-k kernel."""
+    h, n = router_input_triton(x, scale, eps, root, w2, eps2)
+    return (*router_topk_triton(torch.nn.functional.linear(h, proj), pes, k), n)
+
+
+def _router_eager(x, scale, proj, pes, eps, root, k, w2, eps2):
+    return (*moe_router_reference(x, scale, proj, pes, eps, root, k), rms_norm_reference(x, w2, eps2))
+
+
+def _router_cases(cfg, M, x, scale, w2, pes):
+    """The whole router of a MoE layer with its experts' norm (gemma4opt.moe_router_norm) at decode rows:
+    the one-launch kernel and the three launches it replaces, each against Inductor's code for the eager ops."""
+    H, E, k = cfg.hidden_size, cfg.num_experts, cfg.top_k_experts
+    proj = torch.randn(E, H, device="cuda", dtype=DT) / H ** 0.5
+    args = (x, scale, proj, pes, EPS, H ** -0.5, k, w2, EPS)
+    moved = _nbytes(x, proj, scale, w2, x) + M * E * 4 + M * k * 12
+    return [("moe_router (decode, one launch)", router_decode_triton, _router_eager, args, moved),
+            ("moe_router (input, GEMM, top-k)", _router_unfused, _router_eager, args, moved)]
+
+
 def _qkv_case(cfg, kind, M, D, heads, cos, sin, w):
     """The paged layer's q/k/v prep + KV append on the merged projection's output (page size 16)."""
     layer = cfg.layer_types.index(f"{kind}_attention")
@@ -206,6 +230,8 @@ def cases(cfg, M):
             out.append(_moe_fp8_case(cfg, M, out[-1][3]))
         out.append(("moe_router top-k", router_topk_triton, _router_ref, (logits, pes, cfg.top_k_experts),
                     _nbytes(logits) + M * cfg.num_experts * 4 + M * cfg.top_k_experts * 12))
+        if M <= ROUTER_DECODE_ROWS:
+            out += _router_cases(cfg, M, x, w, w2, pes)
     return out
 
 
@@ -232,6 +258,8 @@ def _sweeps():
                          for w in (4, 8)]
                         + [dict(dn_n=n, dn_warps=w) for n in (1, 2, 4, 8) for w in (2, 4, 8)]
                         + [dict(grouped=True)]),
+            "router": (lambda n: n == "moe_router (decode, one launch)",
+                       [dict(block_e=b, warps=w) for b in (1, 2, 4, 8) for w in (1, 2, 4, 8)]),
             "softcap": (lambda n: n.startswith("softcap"),
                         [dict(block=b, warps=w) for b in (512, 1024, 2048, 4096, 8192) for w in (2, 4, 8, 16)])}
 
@@ -348,7 +376,7 @@ def main(argv=None):
     ap.add_argument("--linear", action="store_true",
                     help="the decode GEMMs instead (skinny Triton GEMM vs F.linear / cuBLAS; M <= 32)")
     ap.add_argument("--only", default=None, help="only the cases whose name contains this (e.g. moe_experts)")
-    ap.add_argument("--sweep", choices=["norm_rope", "gelu", "softcap", "moe", "moe_fp8", "moe_grouped"], default=None,
+    ap.add_argument("--sweep", choices=["norm_rope", "gelu", "softcap", "moe", "moe_fp8", "moe_grouped", "router"], default=None,
                     help="time the kernel's launch under every override of its sweep grid (gelu: block x warps)")
     ap.add_argument("--sweep-norm-rope", action="store_true",
                     help="time rms_norm_rope / qkv_norm_rope_append under every (heads per program, warps)")

@@ -142,8 +142,13 @@ def _block_k(K: int, most: int) -> int:
 # was 256-wide K tiles on 8 warps (31.2 us for the op against 35.0 with 512 on 4; 175.8 against 177.0
 # at 8 tokens), down's best at 8 tokens 2 rows per program (160.8 against 177.0; 33.6 against 35.0 at one).
 TILES = dict(gu_n=8, gu_k=256, gu_warps=8, dn_n=2, dn_k=256, dn_warps=4)
-# fp8 experts (e4m3 weights, half the bytes a row): their own tiles, from ``--sweep moe_fp8``.
-TILES_FP8 = dict(TILES)
+# fp8 experts (e4m3 weights, half the bytes a row): their own tiles, from ``bench_kernels.py --sweep
+# moe_fp8`` at the 26b-a4b's shapes on an H200 (sweeps_h200.jsonl, each tile against the bf16 tiles):
+# gate/up's 512-wide K tiles on 8 warps were faster at 1, 4 and 8 tokens (19.5 / 62.1 / 114.0 us
+# against 21.2 / 68.0 / 124.8); down on 2 warps 2 rows a program at one token (19.1), 4 rows above
+# (64.1 / 118.6). The grouped kernels at decode's pair counts took 66.6 us at one token.
+TILES_FP8 = dict(gu_n=8, gu_k=512, gu_warps=8, dn_n=2, dn_k=256, dn_warps=2)
+TILES_FP8_ROWS = dict(dn_n=4)      # over TILES_FP8 for more than one token
 
 
 def moe_experts_triton(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -185,7 +190,7 @@ def moe_experts_triton(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     if T == 0:
         return out
     act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
-    t = {**(TILES_FP8 if fp8 else TILES), **(launch or {})}
+    t = {**TILES, **(launch or {})} if not fp8 else {**TILES_FP8, **(TILES_FP8_ROWS if T > 1 else {}), **(launch or {})}
     _gate_up_kernel[(T * k, triton.cdiv(I, t["gu_n"]))](
         x, idx, gate_up, gate_up_scale if fp8 else wt, act, H, I, x.stride(0), gate_up.stride(0), gate_up.stride(1),
         TOPK=k, BLOCK_N=t["gu_n"], BLOCK_K=_block_k(H, t["gu_k"]), COMPILED=_COMPILED, FP8=fp8,

@@ -26,14 +26,20 @@ def _router_input_kernel(X, SC, H, W2, N2, sx, sh, sn, D, eps, root, eps2, HAS_N
     mask = cols < D
     dt = H.dtype.element_ty
     x = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
-    sc = tl.load(SC + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
         w2 = tl.load(W2 + cols, mask=mask, other=0.0).to(tl.float32)
-    n = (x * inv_rms(x, D, eps)).to(dt).to(tl.float32)
-    h = (n * sc).to(dt).to(tl.float32)
-    tl.store(H + row * sh + cols, (h * root).to(dt), mask=mask)
+    tl.store(H + row * sh + cols, router_input_row(x, SC, cols, mask, D, eps, root, dt), mask=mask)
     if HAS_NORM:
         tl.store(N2 + row * sn + cols, (x * inv_rms(x, D, eps2) * w2).to(dt), mask=mask)
+
+
+@triton.jit
+def router_input_row(x, SC, cols, mask, D, eps, root, dt: tl.constexpr):
+    """The router's GEMM input of one fp32 row x, in dt: round(round(round(x * inv_rms) * scale) * root)."""
+    sc = tl.load(SC + cols, mask=mask, other=0.0).to(tl.float32)
+    n = (x * inv_rms(x, D, eps)).to(dt).to(tl.float32)
+    h = (n * sc).to(dt).to(tl.float32)
+    return (h * root).to(dt)
 
 
 def router_input_triton(x: torch.Tensor, scale: torch.Tensor, eps: float, root: float,
@@ -54,12 +60,9 @@ def router_input_triton(x: torch.Tensor, scale: torch.Tensor, eps: float, root: 
 
 
 @triton.jit
-def _router_kernel(L, PES, P, TW, TI, sl, E, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < E
-    logits = tl.load(L + row * sl + cols, mask=mask, other=-float("inf")).to(tl.float32)
+def softmax_topk_store(logits, cols, mask, PES, P, TW, TI, row, E, K: tl.constexpr, BLOCK: tl.constexpr):
+    """One token's tail from its logits (fp32, -inf where masked): softmax -> P, the top-K
+    renormalized and scaled by their per-expert scale -> TW, their indices -> TI."""
     m = tl.max(logits, axis=0)
     e = tl.where(mask, tl.exp(logits - m), 0.0)
     p = e / tl.sum(e, axis=0)
@@ -78,6 +81,16 @@ def _router_kernel(L, PES, P, TW, TI, sl, E, K: tl.constexpr, BLOCK: tl.constexp
     total = tl.sum(top_w, axis=0)
     tl.store(TI + row * K + ks, top_i.to(tl.int64))
     tl.store(TW + row * K + ks, (top_w / total) * tl.load(PES + top_i).to(tl.float32))
+
+
+@triton.jit
+def _router_kernel(L, PES, P, TW, TI, sl, E, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < E
+    logits = tl.load(L + row * sl + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    softmax_topk_store(logits, cols, mask, PES, P, TW, TI, row, E, K, BLOCK)
 
 
 def router_topk_triton(expert_logits: torch.Tensor, per_expert_scale: torch.Tensor, k: int):

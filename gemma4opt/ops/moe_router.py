@@ -45,9 +45,13 @@ def _(x, scale, proj_weight, per_expert_scale, eps, root, top_k):
 def _route_cuda(x, scale, proj_weight, per_expert_scale, eps, root, top_k, norm_weight=None, norm_eps=0.0):
     """Both ops on CUDA: the router's input (and, with ``norm_weight``, the experts' norm) from one
     kernel where the dtypes agree (mixed dtypes promote in torch's ops: those run instead), the
-    GEMM, then the softmax / top-k kernel. Returns (probs, w, idx[, n])."""
+    GEMM, then the softmax / top-k kernel; decode rows all of it in one kernel
+    (kernels/moe_router_decode.py). Returns (probs, w, idx[, n])."""
     from gemma4opt.kernels.moe_router import router_input_triton, router_topk_triton
+    from gemma4opt.kernels.moe_router_decode import router_decode_supported, router_decode_triton
 
+    if router_decode_supported(x, scale, proj_weight, top_k, norm_weight):
+        return router_decode_triton(x, scale, proj_weight, per_expert_scale, eps, root, top_k, norm_weight, norm_eps)
     weights = [scale] + ([norm_weight] if norm_weight is not None else [])
     if all(w.dtype == x.dtype and w.dim() == 1 for w in weights):
         out = router_input_triton(x, scale, eps, root, norm_weight, norm_eps)
