@@ -411,12 +411,32 @@ for s in "$@"; do
             --json "$OUT/kernels_moe.json"
       GEMMA4OPT_PDL=0 stage profile-26b-fp8 290 python3 benchmarks/profile_decode.py --preset 26b-a4b --new 16 \
             --attention paged --quantization fp8 --quantize-lm-head --per-category 30 ;;
+    router-decode)
+      # The one-launch decode router and the fp8 decode experts' tiles compiled against their references and HF's
+      # router at the 26b-a4b's dimensions (also replayed in a CUDA graph); the router's launch sweep; the router and
+      # experts ops (one launch against the three it replaced, fp8 against bf16 experts) against Inductor.
+      stage router-tests 200 $PYTEST tests/kernels/test_moe_router_decode_kernel.py tests/kernels/test_moe_router_kernel.py \
+            tests/kernels/test_moe_experts_kernel.py tests/gpu/test_gpu_moe_router.py tests/gpu/test_gpu_moe_experts.py
+      stage router-sweep 80 python3 benchmarks/bench_kernels.py --sweep router --presets 26b-a4b --m 1 8 32 \
+            --json "$OUT/sweep_router.jsonl"
+      stage router-ops 100 python3 benchmarks/bench_kernels.py --only moe_ --presets 26b-a4b --m 1 8 32 \
+            --json "$OUT/kernels_moe.json" ;;
+    router-decode-26b)
+      # The 26b-a4b at batch 1, bf16 and fp8 weights + lm_head, against HF static cache + compile and eager
+      # (tokens compared), then the same two on .baseline's older checkout in the same call.
+      stage router-26b 420 $GEN 26b-a4b --batch 1 --systems gemma4opt gemma4opt-fp8-head static_compile eager \
+            --json "$OUT/generate.jsonl"
+      if [ -d .baseline/gemma4opt ]; then
+        (cd .baseline && ln -sfn ../patterns gemma4opt/patterns && export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} &&
+         stage router-26b-before 150 $GEN 26b-a4b --batch 1 --systems gemma4opt gemma4opt-fp8-head \
+               --json "$OUT/generate_before.jsonl")
+      fi ;;
     features)
       MAX_JOBS=16 stage features-tests 300 $PYTEST -s tests/gpu/test_gpu_features.py
       stage features-assisted 420 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b --profile \
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b)" ;;
   esac
 done
