@@ -24,8 +24,10 @@ from gemma4opt.kernels.rms_norm import inv_rms
 
 MAX_ROWS = 32          # decode rows; above, the input kernel + GEMM + tail (one weight read for all rows)
 MAX_EXPERTS = 1024
-# Experts a program, warps: 2 rows of 2816 (11 KB) a program puts the 26b-a4b's 128 experts on 64 SMs.
-TILE = dict(block_e=2, warps=4)
+# (experts a program, warps) by rows, from ``bench_kernels.py --sweep router`` at the 26b-a4b's shapes on an
+# H200 (sweeps_h200.jsonl): 5.7 / 6.4 / 9.0 us at 1 / 8 / 32 rows, against 10.3 / 10.4 / 11.0 for the three
+# launches it replaces (kernels_h200.jsonl). More rows re-read each program's expert rows per token: wider blocks.
+TILES = ((1, dict(block_e=1, warps=2)), (8, dict(block_e=4, warps=4)), (MAX_ROWS, dict(block_e=8, warps=2)))
 _COUNTS: dict = {}
 
 
@@ -95,7 +97,7 @@ def router_decode_triton(x: torch.Tensor, scale: torch.Tensor, proj_weight: torc
     ti = torch.empty((T, top_k), dtype=torch.int64, device=dev)
     logits = torch.empty((T, E), dtype=x.dtype, device=dev)
     n2 = torch.empty_like(x) if norm_weight is not None else logits
-    t = {**TILE, **(launch or {})}
+    t = {**next(tile for rows, tile in TILES if T <= rows), **(launch or {})}
     _router_decode_kernel[(T, triton.cdiv(E, t["block_e"]))](
         x, scale, proj_weight, per_expert_scale, norm_weight if norm_weight is not None else scale, n2, logits,
         _counts(dev), probs, tw, ti, x.stride(0), n2.stride(0), D, E, eps, root, norm_eps,
