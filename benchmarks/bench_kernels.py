@@ -105,16 +105,13 @@ def _moe_fp8(x, idx, wt, gate_up, gate_up_scale, down, down_scale, launch=None):
 
 
 def _moe_fp8_batched_ref(x, idx, wt, gate_up, gate_up_scale, down, down_scale):
-    """HF's batched_mm path on the chosen experts' rows dequantized to the model dtype, for Inductor."""
+    """HF's batched_mm path (``_moe_batched_ref``) on the chosen experts' rows dequantized to the model
+    dtype, in pair order, for Inductor."""
     ids = idx.reshape(-1)
     gu = (gate_up[ids].float() * gate_up_scale[ids].float()[..., None]).to(x.dtype)
     dn = (down[ids].float() * down_scale[ids].float()[..., None]).to(x.dtype)
-    T, k = idx.shape
-    xs = x.repeat_interleave(k, dim=0)
-    g, u = torch.bmm(gu, xs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
-    h = torch.nn.functional.gelu(g, approximate="tanh") * u
-    y = torch.bmm(dn, h.unsqueeze(-1)).squeeze(-1) * wt.reshape(-1).unsqueeze(-1)
-    return y.view(T, k, -1).sum(dim=1).to(x.dtype)
+    pairs = torch.arange(ids.numel(), device=idx.device).view(idx.shape)
+    return _moe_batched_ref(x, pairs, wt, gu, dn)
 
 
 def _moe_fp8_case(cfg, M, bf16_args):
@@ -251,8 +248,8 @@ def _sweeps():
                     + [dict(dn_n=n, dn_k=kk, dn_warps=w) for n in (2, 4, 8, 16, 32) for kk in (256, 512)
                        for w in (2, 4, 8)]),
             # fp8 experts: gate/up's K tiles up to 1024 (an fp8 row is half the bytes; down's I = 704 takes 256
-            # whatever the bound), and the
-            # grouped kernels at decode's pair counts (their tensor-core dot against the pair-by-pair row sums).
+            # whatever the bound), and the grouped kernels at decode's pair counts (their tensor-core dot
+            # against the pair-by-pair row sums).
             "moe_fp8": (lambda n: n == "moe_experts fp8 (decode)",
                         [dict(gu_n=n, gu_k=kk, gu_warps=w) for n in (4, 8, 16) for kk in (256, 512, 1024)
                          for w in (4, 8)]
