@@ -112,10 +112,8 @@
 #   profile-layers  profile_decode.py at batch 1, PDL off, every kernel of one step in order: the 31b x 12
 #              with fp8 weights and lm_head (200 s), the e4b in bf16 (170 s); then the 31b x 12 bf16 one-liner
 #              with its timed GEMM picks against every decode GEMM on Triton (200 s).
-#   graph-tune  the skinny GEMMs' tiles timed in a CUDA graph against Triton's autotuner: GPU tests (200 s), the e4b at
-#              batch 1, bf16 and fp8 weights + lm_head, each both ways (380 s); graph-tune-26b: the 26b-a4b likewise (560 s).
 #   host       profile_host.py: the host's time per decode step (2-layer e2b, and the e2b at full depth;
-#              2-layer 26b-a4b with fp8 weights and lm_head) and cProfile's top functions (limits 240 / 200 s).
+#              2-layer 26b-a4b with fp8 weights and lm_head; limits 240 / 200 s).
 #   profile    profile_decode.py on the 31b x 12, paged mode, batch 1 and 32: device time per decode
 #              step by kernel category (limits 240 / 330 s).
 #
@@ -435,28 +433,19 @@ for s in "$@"; do
          stage router-26b-before 150 $GEN 26b-a4b --batch 1 --systems gemma4opt gemma4opt-fp8-head \
                --json "$OUT/generate_before.jsonl")
       fi ;;
-    graph-tune)         # the skinny GEMMs' tiles timed in a CUDA graph (graph_tune.py) against Triton's autotuner: GPU
-      # tests, then the e4b at batch 1 in bf16 and with fp8 weights + lm_head, each both ways, in one process.
-      stage graph-tune-tests 200 $PYTEST tests/gpu/test_gpu_linear.py tests/gpu/test_gpu_fp8.py \
-            -k "graph_tuned or fp8_linear_op_equals or both_branches or linear_op_equals_f_linear"
-      stage graph-tune-e4b 380 $GEN e4b --batch 1 --systems gemma4opt-autotune gemma4opt gemma4opt-fp8-head-autotune \
-            gemma4opt-fp8-head --json "$OUT/generate.jsonl" ;;
-    graph-tune-26b)     # the same A/B on the 26b-a4b at batch 1
-      stage graph-tune-26b 560 $GEN 26b-a4b --batch 1 --systems gemma4opt-autotune gemma4opt \
-            gemma4opt-fp8-head-autotune gemma4opt-fp8-head --json "$OUT/generate.jsonl" ;;
     host)
       # The host's time per decode step (profile_host.py): 2-layer models, whose device step is a small
       # fraction of it, e2b in bf16 (and at full depth) and the 26b-a4b with fp8 weights and lm_head.
-      stage host-e2b 240 python3 benchmarks/profile_host.py --preset e2b --layers 2 --full --top 45 \
+      stage host-e2b 240 python3 benchmarks/profile_host.py --preset e2b --layers 2 --full \
             --json "$OUT/host.jsonl"
       stage host-26b-fp8 200 python3 benchmarks/profile_host.py --preset 26b-a4b --layers 2 --quantization fp8 \
-            --quantize-lm-head --top 30 --json "$OUT/host.jsonl" ;;
+            --quantize-lm-head --json "$OUT/host.jsonl" ;;
     features)
       MAX_JOBS=16 stage features-tests 300 $PYTEST -s tests/gpu/test_gpu_features.py
       stage features-assisted 420 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b --profile \
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, graph-tune, graph-tune-26b)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host)" ;;
   esac
 done

@@ -210,8 +210,10 @@ def profile_section():
         # A profile's first line may say how it was made ("# command ..."); the oldest file does not.
         what = lines.pop(0)[2:] if lines and lines[0].startswith("# ") else (
             "`python3 benchmarks/profile_decode.py --preset 31b --layers 12 --batch 32 --new 32`, HF static cache mode")
-        out += [f"`benchmarks/results/{os.path.basename(path)}`: device time per decode step by kernel category "
-                f"({what}). Its first lines:", "", "```"]
+        name = os.path.basename(path)
+        kind = ("the host's time per decode step" if name.startswith("profile_host")
+                else "device time per decode step by kernel category")
+        out += [f"`benchmarks/results/{name}`: {kind} ({what}). Its first lines:", "", "```"]
         out += lines[:9]
         out += ["```", ""]
     return out

@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from gemma4opt.kernels._util import pdl_flags, pdl_prologue, rows_view
-from gemma4opt.kernels.graph_tune import GraphTuner, config_tiles
 from gemma4opt.kernels.skinny_linear import _out, bench_short, row_dot_tile
 
 MAX_ROWS = 32
@@ -163,9 +162,7 @@ def _sum_splits(nargs, exception=None):
                                                      **pdl_flags(y))
 
 
-_CONFIGS = _configs()
-_TUNER = GraphTuner("fp8_linear")
-_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "ROWS"], do_bench=bench_short, post_hook=_sum_splits,
+_tuned = triton.autotune(configs=_configs(), key=["N", "K", "ROWS"], do_bench=bench_short, post_hook=_sum_splits,
                          prune_configs_by={"early_config_prune": _keep})(_fp8_linear_kernel)
 
 
@@ -192,11 +189,6 @@ def fp8_linear_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.T
     y = torch.empty(M, N, dtype=out_dtype, device=x_fp8.device)
     if M and N:
         bm = 1 if M == 1 else 16 if M <= 16 else 32
-        if config is None and _COMPILED:    # the tile timed in a graph (graph_tune.py); else Triton's autotuner
-            config = _TUNER.choose((x_fp8.device, out_dtype, N, K, bm, float(cap or 0.0)),
-                                   config_tiles(_keep(_CONFIGS, dict(ROWS=bm))),
-                                   lambda tile, w: fp8_linear_triton(x_fp8, x_scale, w, w_scale, out_dtype, tile, cap),
-                                   w_fp8)
         if config is not None and "BLOCK_M" in config:
             config = dict(config)
             bm = config.pop("BLOCK_M")

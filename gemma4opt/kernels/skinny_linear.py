@@ -30,7 +30,6 @@ import triton.testing
 
 from gemma4opt.kernels._util import pdl_flags, pdl_prologue, rows_view
 from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_rounded
-from gemma4opt.kernels.graph_tune import GraphTuner, config_tiles
 from gemma4opt.kernels.softcap import softcap_rounded
 
 MAX_ROWS = 32
@@ -258,11 +257,9 @@ def use_tiles(whole_k: bool = True, narrow: bool = True) -> None:
     if want != _offered:
         _offered.update(want)
         _tuned.cache.clear()
-        _TUNER.best.clear()
 
 
 _CONFIGS, _keep = tile_configs(_ROW_SUM, _DOT, _WHOLE, _DOT_NARROW)
-_TUNER = GraphTuner("skinny_linear")
 _tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M"], do_bench=bench_short, post_hook=_sum_splits,
                          prune_configs_by={"early_config_prune": _keep})(_skinny_kernel)
 
@@ -297,10 +294,6 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | N
         if config is None and not _COMPILED:
             bn, split = (4, 1) if bm == 1 else (16, _INTERPRETER_SPLIT)
             config = dict(BLOCK_N=bn, BLOCK_K=32, SPLIT_K=split)
-        if config is None and _COMPILED:    # the tile timed in a graph (graph_tune.py); else Triton's autotuner
-            config = _TUNER.choose((x.device, x.dtype, N, K, bm, flags["CAP"], up is not None),
-                                   config_tiles(_keep(_CONFIGS, dict(N=N, K=K, BLOCK_M=bm))),
-                                   lambda tile, w: skinny_linear_triton(x, w, tile, cap, up), weight)
         if config is None:
             _tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])](*args, **flags)
             split = _tuned.best_config.kwargs["SPLIT_K"]

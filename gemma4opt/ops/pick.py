@@ -12,9 +12,6 @@ from typing import Callable
 
 import torch
 
-from gemma4opt.kernels.graph_tune import graph_ms as _graph_ms
-from gemma4opt.kernels.graph_tune import weight_copies, weight_set  # noqa: F401 - weight_copies: tests, benchmarks
-
 
 class ShapePicks:
     """One op's per-shape picks: shape key -> whether the Triton kernel runs, and the shapes whose
@@ -68,6 +65,37 @@ def bench_cold(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
 
 
+def _graph_ms(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor], calls: int, reps: int) -> float:
+    """Median ms per call of ``fn(w)``, ``calls`` calls back to back in one CUDA graph, cycling
+    through ``weights``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):           # first calls outside the capture (allocator, cuBLAS handles)
+        for w in weights:
+            fn(w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(weights[i % len(weights)])
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def weight_copies(nbytes: int, l2_bytes: int, most: int = 64) -> int:
+    """How many copies of a weight of ``nbytes`` together hold twice the L2 (at least 1, at most ``most``)."""
+    return max(1, min(most, -(-2 * l2_bytes // max(nbytes, 1))))
+
+
 def check_then_time(triton_fn: Callable[[torch.Tensor], object], other_fn: Callable[[torch.Tensor], object],
                     weight: torch.Tensor, what: str, other: str) -> tuple[float, float]:
     """A shape's first call: the Triton path's result checked against the other's on ``weight``
@@ -86,9 +114,11 @@ def time_in_graph(triton_fn: Callable[[torch.Tensor], object], other_fn: Callabl
     its picks differed from one run to the next (the 26b-a4b's decode step was 1.4 % faster with
     every GEMM on Triton than with the shapes it gave cuBLAS, on an H200). Falls back to
     ``bench_cold`` where a graph cannot be captured."""
+    copies = weight_copies(weight.numel() * weight.element_size(),
+                           torch.cuda.get_device_properties(weight.device).L2_cache_size)
+    calls = max(8, copies)
     try:
-        weights = weight_set(weight)
-        calls = max(8, len(weights))
+        weights = [weight] + [weight.clone() for _ in range(copies - 1)]
         return _graph_ms(triton_fn, weights, calls, 10), _graph_ms(other_fn, weights, calls, 10)
     except (RuntimeError, torch.OutOfMemoryError):
         torch.cuda.synchronize()
