@@ -50,6 +50,7 @@
 #   presets-ab-26b, presets-ab-e4b, presets-ab-e2b  one preset each (26b-a4b at batch 1 and 8, e4b at 1
 #              and 32, e2b at 1): eager and the one-liner, then .baseline's one-liner in the same call
 #              (limits 330 / 150, 300 / 150, 280 / 110 s, FlashInfer's JIT included in the first).
+#   profile-e4b-fp8  kernel by kernel, PDL off: the e4b at batch 1 with fp8 weights and lm_head (200 s), then in bf16 (170 s).
 #   profile-presets  kernel by kernel, PDL off: e4b at batch 32, e2b at 1, 26b-a4b at 8 (limits 190 / 130 / 200 s).
 #   narrow-ab-e4b, narrow-ab-26b  the skinny GEMM's narrow tiles at 2-32 rows with and without: e4b at 32,
 #              26b-a4b at 8, against eager and HF static + compile (limits 470 / 560 s).
@@ -396,6 +397,12 @@ for s in "$@"; do
             --attention paged --per-category 30
       stage bf16-picks-31b 180 $GEN 31b --layers 12 --batch 1 --systems gemma4opt gemma4opt-triton-gemms \
             --json "$OUT/generate.jsonl" ;;
+    profile-e4b-fp8)
+      # The e4b at batch 1 with fp8 weights and lm_head, kernel by kernel in order, PDL off; then the same in bf16.
+      GEMMA4OPT_PDL=0 stage profile-e4b-fp8 200 python3 benchmarks/profile_decode.py --preset e4b --new 16 \
+            --attention paged --quantization fp8 --quantize-lm-head --per-category 30
+      GEMMA4OPT_PDL=0 stage profile-e4b 170 python3 benchmarks/profile_decode.py --preset e4b --new 16 \
+            --attention paged --per-category 30 ;;
     profile-presets)
       # The small presets' decode steps kernel by kernel (PDL off): e4b at batch 32, e2b at 1, 26b-a4b at 8.
       GEMMA4OPT_PDL=0 stage profile-e4b-32 190 python3 benchmarks/profile_decode.py --preset e4b --batch 32 --new 16 \
@@ -446,6 +453,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8)" ;;
   esac
 done
