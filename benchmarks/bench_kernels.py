@@ -4,6 +4,7 @@
     python benchmarks/bench_kernels.py --linear --presets 31b --m 1 8 32   # decode GEMMs vs cuBLAS
     python benchmarks/bench_kernels.py --sweep-norm-rope --presets 31b     # q/k prep launch configs
     python benchmarks/bench_kernels.py --sweep gelu --m 1 32 256            # gelu.mul (or softcap) launches
+    python benchmarks/bench_kernels.py --sweep rows --m 1 8 32              # row kernels' warps at decode
     python benchmarks/bench_kernels.py --sweep-linear --presets 31b --m 32  # skinny GEMM tiles vs cuBLAS
 
 For decode (M = 1, 32, 256 tokens) and prefill (M = 8192) shapes of the presets: time per call
@@ -27,6 +28,7 @@ import gemma4opt  # noqa: E402,F401
 from gemma4opt.kernels import _util  # noqa: E402
 from gemma4opt.kernels._util import pdl_prologue  # noqa: E402
 from gemma4opt.kernels.add_rms_norm import add_rms_norm_triton  # noqa: E402
+from gemma4opt.kernels.fp8_quant import add_rms_norm_quant_triton, rms_norm_quant_triton  # noqa: E402
 from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_mul_triton  # noqa: E402
 from gemma4opt.kernels.moe_experts import MAX_PAIRS, moe_experts_triton  # noqa: E402
 from gemma4opt.kernels.moe_grouped import MAX_GROUPED_PAIRS  # noqa: E402
@@ -38,6 +40,8 @@ from gemma4opt.kernels.rms_norm_rope import rms_norm_rope_triton  # noqa: E402
 from gemma4opt.kernels.skinny_linear import skinny_linear_triton  # noqa: E402
 from gemma4opt.kernels.softcap import softcap_  # noqa: E402
 from gemma4opt.ops.add_rms_norm import add_rms_norm_reference  # noqa: E402
+from gemma4opt.ops.add_rms_norm_quant import add_rms_norm_quant_reference  # noqa: E402
+from gemma4opt.ops.rms_norm_quant import rms_norm_quant_reference  # noqa: E402
 from gemma4opt.ops.gelu_tanh_mul import gelu_tanh_mul_reference  # noqa: E402
 from gemma4opt.ops.linear_softcap import linear_softcap_reference  # noqa: E402
 from gemma4opt.ops.moe_router import moe_router_reference  # noqa: E402
@@ -196,6 +200,11 @@ def cases(cfg, M):
     out = [("rms_norm", rms_norm_triton, rms_norm_reference, (x, w, EPS), _nbytes(x, x, w))]
     out.append(("add_rms_norm", add_rms_norm_triton, add_rms_norm_reference, (x, r, w, EPS, scale, w2, EPS),
                 _nbytes(x, r, x, x, w, w2)))
+    # With fp8 weights the norms feeding a GEMM write its fp8 input and per-token scales.
+    out.append(("rms_norm_quant", rms_norm_quant_triton, rms_norm_quant_reference, (x, w, EPS),
+                _nbytes(x, w) + M * H + M * 4))
+    out.append(("add_rms_norm_quant", add_rms_norm_quant_triton, add_rms_norm_quant_reference,
+                (x, r, w, EPS, scale, w2, EPS), _nbytes(x, r, x, w, w2) + M * H + M * 4))
     gu = torch.randn(M, 2 * I, device="cuda", dtype=DT)
     g, u = gu[:, :I], gu[:, I:]
     out.append(("gelu_tanh_mul", gelu_tanh_mul_triton, gelu_tanh_mul_reference, (g, u), _nbytes(gu, g)))
@@ -255,10 +264,24 @@ def _sweeps():
                          for w in (4, 8)]
                         + [dict(dn_n=n, dn_warps=w) for n in (1, 2, 4, 8) for w in (2, 4, 8)]
                         + [dict(grouped=True)]),
+            # Row kernels at decode: every one's warps a program, through _util.set_decode_row_warps.
+            "rows": (lambda n: n in ("rms_norm", "add_rms_norm", "rms_norm_quant", "add_rms_norm_quant"),
+                     [dict(warps=w) for w in (1, 2, 4, 8, 16, 32)]),
             "router": (lambda n: n == "moe_router (decode, one launch)",
                        [dict(block_e=b, warps=w) for b in (1, 2, 4, 8) for w in (1, 2, 4, 8)]),
             "softcap": (lambda n: n.startswith("softcap"),
                         [dict(block=b, warps=w) for b in (512, 1024, 2048, 4096, 8192) for w in (2, 4, 8, 16)])}
+
+
+def _with_row_warps(fn):
+    """fn taking ``launch=dict(warps=w)``: every row kernel it launches at decode on w warps."""
+    def run(*fargs, launch=None):
+        _util.set_decode_row_warps(launch["warps"] if launch else None)
+        try:
+            return fn(*fargs)
+        finally:
+            _util.set_decode_row_warps(None)
+    return run
 
 
 def sweep(args, kind):
@@ -273,6 +296,8 @@ def sweep(args, kind):
             for name, fn, _, fargs, _ in cases(cfg, M):
                 if not select(name):
                     continue
+                if kind == "rows":
+                    fn = _with_row_warps(fn)
                 fn(*fargs)
                 timed = {"default": _graph_us(lambda: fn(*fargs), rep=30)}
                 for over in grid:
@@ -373,7 +398,8 @@ def main(argv=None):
     ap.add_argument("--linear", action="store_true",
                     help="the decode GEMMs instead (skinny Triton GEMM vs F.linear / cuBLAS; M <= 32)")
     ap.add_argument("--only", default=None, help="only the cases whose name contains this (e.g. moe_experts)")
-    ap.add_argument("--sweep", choices=["norm_rope", "gelu", "softcap", "moe", "moe_fp8", "moe_grouped", "router"], default=None,
+    ap.add_argument("--sweep", choices=["norm_rope", "gelu", "softcap", "moe", "moe_fp8", "moe_grouped", "router", "rows"],
+                    default=None,
                     help="time the kernel's launch under every override of its sweep grid (gelu: block x warps)")
     ap.add_argument("--sweep-norm-rope", action="store_true",
                     help="time rms_norm_rope / qkv_norm_rope_append under every (heads per program, warps)")

@@ -50,6 +50,8 @@
 #   presets-ab-26b, presets-ab-e4b, presets-ab-e2b  one preset each (26b-a4b at batch 1 and 8, e4b at 1
 #              and 32, e2b at 1): eager and the one-liner, then .baseline's one-liner in the same call
 #              (limits 330 / 150, 300 / 150, 280 / 110 s, FlashInfer's JIT included in the first).
+#   rows       the row kernels' warps at decode: bench_kernels.py --sweep rows on the e4b, 26b-a4b and 31b at 1-32 rows
+#              (200 s), then the e4b at batch 1, bf16 and fp8 weights + lm_head, on 2-8 warps against the rule (400 s).
 #   profile-e4b-fp8  kernel by kernel, PDL off: the e4b at batch 1 with fp8 weights and lm_head (200 s), then in bf16 (170 s).
 #   profile-presets  kernel by kernel, PDL off: e4b at batch 32, e2b at 1, 26b-a4b at 8 (limits 190 / 130 / 200 s).
 #   narrow-ab-e4b, narrow-ab-26b  the skinny GEMM's narrow tiles at 2-32 rows with and without: e4b at 32,
@@ -397,6 +399,13 @@ for s in "$@"; do
             --attention paged --per-category 30
       stage bf16-picks-31b 180 $GEN 31b --layers 12 --batch 1 --systems gemma4opt gemma4opt-triton-gemms \
             --json "$OUT/generate.jsonl" ;;
+    rows)
+      # The row kernels' warps at decode: swept per kernel on three presets (one row to 32), then the e4b at batch 1
+      # end to end with every row kernel on 2, 4 or 8 warps against row_launch's rule (16 at its 2560 columns).
+      stage rows-sweep 200 python3 benchmarks/bench_kernels.py --sweep rows --presets e4b 26b-a4b 31b --m 1 8 32 \
+            --json "$OUT/sweeps.jsonl"
+      stage rows-e4b 400 $GEN e4b --batch 1 --systems gemma4opt-fp8-head gemma4opt-fp8-head-rows2 \
+            gemma4opt-fp8-head-rows4 gemma4opt-fp8-head-rows8 gemma4opt gemma4opt-rows4 --json "$OUT/generate.jsonl" ;;
     profile-e4b-fp8)
       # The e4b at batch 1 with fp8 weights and lm_head, kernel by kernel in order, PDL off; then the same in bf16.
       GEMMA4OPT_PDL=0 stage profile-e4b-fp8 200 python3 benchmarks/profile_decode.py --preset e4b --new 16 \
@@ -453,6 +462,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows)" ;;
   esac
 done

@@ -84,3 +84,29 @@ def test_fp8_moe_baseline_and_wrapper_match_the_fp8_reference(monkeypatch):
     bench._moe_fp8(x, idx, w, gu_q, gu_s, d_q, d_s, launch=dict(grouped=True))
     bench._moe_fp8(x, idx, w, gu_q, gu_s, d_q, d_s, launch=dict(gu_k=512))
     assert calls == [(None, True), ({"gu_k": 512}, None)]
+
+
+def test_rows_sweep_sets_every_row_kernels_warps_then_restores_the_rule(monkeypatch):
+    """--sweep rows runs each selected case under each warps count (row_launch answers it at decode
+    rows only), and row_launch's own rule is back once the sweep is done."""
+    from gemma4opt.kernels import _util
+
+    bench = _bench()
+    seen = []
+
+    def kernel(x):
+        seen.append((_util.row_launch(2560, 1)[1], _util.row_launch(2560, 512)[1]))
+        return x
+
+    def graph_us(fn, rep):
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(bench, "cases", lambda cfg, M: [("add_rms_norm_quant", kernel, None, (torch.zeros(1),), 0),
+                                                        ("gelu_tanh_mul", kernel, None, (torch.zeros(1),), 0)])
+    monkeypatch.setattr(bench, "_graph_us", graph_us)
+    rule = _util.row_launch(2560, 1)[1]
+    bench.sweep(SimpleNamespace(presets=["tiny"], m=[1], json=None), "rows")
+    warps = [over["warps"] for over in bench._sweeps()["rows"][1]]
+    assert seen == [(rule, 8)] * 2 + [(w, 8) for w in warps for _ in range(2)]     # 512 rows: the rule's 8
+    assert _util.row_launch(2560, 1)[1] == rule

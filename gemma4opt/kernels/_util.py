@@ -50,10 +50,19 @@ def rows_view(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+_ROWS = {"decode_warps": None}
+
+
+def set_decode_row_warps(warps: int | None) -> None:
+    """Warps of every row kernel's program at decode (fewer than 128 rows), or None for
+    row_launch's rule (benchmarks: bench_kernels.py --sweep-rows, bench_generate's -rowsN systems)."""
+    _ROWS["decode_warps"] = warps
+
+
 def row_launch(d: int, rows: int | None = None) -> tuple[int, int]:
     """(BLOCK, num_warps) for one program per row of length d. With few rows (decode: fewer than
     a GPU's SMs) each program is latency-bound: more warps put more of the row's loads in flight."""
     block = triton.next_power_of_2(max(d, 1))
     if rows is not None and rows < 128:
-        return block, max(4, min(32, block // 256))
+        return block, _ROWS["decode_warps"] or max(4, min(32, block // 256))
     return block, 4 if block <= 2048 else 8 if block <= 8192 else 16
