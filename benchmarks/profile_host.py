@@ -8,6 +8,12 @@ time per step, the floor under every preset's ms/token at batch 1 (HF's deferred
 the host queue step t+1 while step t runs, so a step costs max(host, device)). ``--full`` also
 times the preset at full depth for comparison. (Not cProfile: Dynamo's frame hooks hide most of
 generate's frames from it; on the H200 its listing missed generate itself.)
+
+Where the host's time goes: sample the run with py-spy (a sampling profiler: it reads the stacks
+from outside, Dynamo or not), then summarize its stacks of the timed generate calls:
+
+    py-spy record --format raw -o host.folded --rate 500 -- python benchmarks/profile_host.py ...
+    python benchmarks/profile_host.py --stacks host.folded
 """
 from __future__ import annotations
 
@@ -49,6 +55,34 @@ def ms_per_step(model, ids, new, device, repeats=3) -> float:
     return best
 
 
+def summarize_stacks(path: str, top: int = 40, within: str = "ms_per_step (") -> list[tuple[str, float, float]]:
+    """py-spy's raw (folded) stacks -> [(function, inclusive share, self share)] of the samples
+    taken inside the timed generate calls (stacks through ``within``), biggest inclusive first. A
+    function counts once per stack however often it recurses; line numbers are dropped."""
+    incl, own, total = {}, {}, 0
+    with open(path) as f:
+        for line in f:
+            stack, _, n = line.rstrip("\n").rpartition(" ")
+            if within not in stack or not n.isdigit():
+                continue
+            n = int(n)
+            total += n
+            frames = [_frame(fr) for fr in stack.split(";")]
+            for fr in set(frames):
+                incl[fr] = incl.get(fr, 0) + n
+            own[frames[-1]] = own.get(frames[-1], 0) + n
+    if not total:
+        return []
+    rows = sorted(incl, key=incl.get, reverse=True)[:top]
+    return [(fr, incl[fr] / total, own.get(fr, 0) / total) for fr in rows]
+
+
+def _frame(frame: str) -> str:
+    """``func (path/file.py:123)`` -> ``func (path/file.py)``."""
+    name, _, where = frame.partition(" (")
+    return f"{name} ({where.rsplit(':', 1)[0]})" if where else name
+
+
 def build(preset, layers, device, args):
     model = build_model(preset, layers, dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device)
     opts = dict(quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
@@ -69,7 +103,14 @@ def main(argv=None):
     ap.add_argument("--quantize-lm-head", action="store_true")
     ap.add_argument("--full", action="store_true", help="also time the preset at full depth")
     ap.add_argument("--json", default=None, help="append one result row to this JSON-lines file")
+    ap.add_argument("--stacks", default=None, help="only summarize this py-spy raw profile of a run of this script")
+    ap.add_argument("--top", type=int, default=40)
     args = ap.parse_args(argv)
+    if args.stacks:
+        print(f"{'incl':>6} {'self':>6}  function (share of the samples in the timed generate calls)")
+        for fr, inc, slf in summarize_stacks(args.stacks, args.top):
+            print(f"{inc:6.1%} {slf:6.1%}  {fr}")
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build(args.preset, args.layers, device, args)
     ids = torch.randint(3, min(1000, model.config.vocab_size), (args.batch, args.prompt), device=device)

@@ -14,3 +14,17 @@ def test_writes_the_step_time_of_the_shallow_model_and_of_the_full_one(tmp_path)
     row = json.loads(out.read_text())
     assert (row["preset"], row["layers"], row["batch"], row["new"], row["device"]) == ("tiny", 2, 1, 4, "cpu")
     assert 0 < row["host_ms_per_step"] < float("inf") and 0 < row["full_ms_per_step"] < float("inf")
+
+
+def test_stack_summary_counts_the_timed_calls_once_per_stack(tmp_path):
+    """Only stacks through the timed calls count; a recursing function counts once per stack, line
+    numbers are dropped, and self time is the leaf's."""
+    folded = tmp_path / "host.folded"
+    folded.write_text(
+        "main (p.py:1);ms_per_step (p.py:9);_sample (u.py:3);f (a.py:5);f (a.py:7) 6\n"
+        "main (p.py:1);ms_per_step (p.py:9);_sample (u.py:3);g (b.py:2) 2\n"
+        "main (p.py:1);warm (p.py:4);_sample (u.py:3);g (b.py:2) 50\n")
+    got = {fr: (inc, own) for fr, inc, own in profile_host.summarize_stacks(str(folded))}
+    assert got["_sample (u.py)"] == (1.0, 0.0)
+    assert got["f (a.py)"] == (0.75, 0.75) and got["g (b.py)"] == (0.25, 0.25)
+    assert "warm (p.py)" not in got
