@@ -19,6 +19,20 @@ def _bench():
     return mod
 
 
+def _sweep_bench(monkeypatch, kernel, names):
+    """The benchmark module with ``kernel`` as every case of ``names`` and a graph timer that just
+    calls once (no GPU)."""
+    bench = _bench()
+
+    def graph_us(fn, rep):
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(bench, "cases", lambda cfg, M: [(n, kernel, None, (torch.zeros(1),), 0) for n in names])
+    monkeypatch.setattr(bench, "_graph_us", graph_us)
+    return bench
+
+
 def test_moe_baseline_is_hfs_batched_mm_path():
     """What Inductor compiles for the decode MoE row gives what HF's batched_mm experts give."""
     model = tiny("tiny-moe")
@@ -41,20 +55,13 @@ def test_moe_baseline_is_hfs_batched_mm_path():
 
 def test_sweep_passes_each_launch_to_the_kernel(monkeypatch):
     """--sweep times the kernel's own launch (no ``launch``), then each of the grid's as ``launch=``."""
-    bench = _bench()
     seen = []
 
     def kernel(x, launch=None):
         seen.append(launch)
         return x
 
-    def graph_us(fn, rep):
-        fn()
-        return 1.0
-
-    monkeypatch.setattr(bench, "cases", lambda cfg, M: [("gelu_tanh_mul", kernel, None, (torch.zeros(1),), 0),
-                                                        ("rms_norm", kernel, None, (torch.zeros(1),), 0)])
-    monkeypatch.setattr(bench, "_graph_us", graph_us)
+    bench = _sweep_bench(monkeypatch, kernel, ("gelu_tanh_mul", "rms_norm"))
     bench.sweep(SimpleNamespace(presets=["tiny"], m=[1], json=None), "gelu")
     grid = bench._sweeps()["gelu"][1]
     # each launch run once as a warm-up, once timed; the case the sweep does not select never runs
@@ -91,20 +98,13 @@ def test_rows_sweep_sets_every_row_kernels_warps_then_restores_the_rule(monkeypa
     rows only), and row_launch's own rule is back once the sweep is done."""
     from gemma4opt.kernels import _util
 
-    bench = _bench()
     seen = []
 
     def kernel(x):
         seen.append((_util.row_launch(2560, 1)[1], _util.row_launch(2560, 512)[1]))
         return x
 
-    def graph_us(fn, rep):
-        fn()
-        return 1.0
-
-    monkeypatch.setattr(bench, "cases", lambda cfg, M: [("add_rms_norm_quant", kernel, None, (torch.zeros(1),), 0),
-                                                        ("gelu_tanh_mul", kernel, None, (torch.zeros(1),), 0)])
-    monkeypatch.setattr(bench, "_graph_us", graph_us)
+    bench = _sweep_bench(monkeypatch, kernel, ("add_rms_norm_quant", "gelu_tanh_mul"))
     rule = _util.row_launch(2560, 1)[1]
     bench.sweep(SimpleNamespace(presets=["tiny"], m=[1], json=None), "rows")
     warps = [over["warps"] for over in bench._sweeps()["rows"][1]]
