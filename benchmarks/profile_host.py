@@ -19,40 +19,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
 
-import gemma4opt
-from gemma4opt.presets import ALL_PRESETS, build_model
-
-
-def _gen(model, ids, new):
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                              do_sample=False)
-
-
-def _sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gemma4opt  # noqa: E402
+from bench_generate import _gen, _sync, measure  # noqa: E402
+from gemma4opt.presets import ALL_PRESETS, build_model  # noqa: E402
 
 
 def ms_per_step(model, ids, new, device, repeats=3) -> float:
-    """Best of ``repeats``: (generate of ``new`` tokens - generate of 1) / (new - 1), after a warm-up."""
-    _gen(model, ids, new)
-    _sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        _gen(model, ids, 1)
-        _sync(device)
-        t1 = time.perf_counter()
-        _gen(model, ids, new)
-        _sync(device)
-        t2 = time.perf_counter()
-        best = min(best, ((t2 - t1) - (t1 - t0)) * 1e3 / (new - 1))
-    return best
+    """bench_generate's measure (best of ``repeats`` after a warm-up): ms per decode step."""
+    return measure(model, ids, new, device, repeats)[1]
 
 
 def summarize_stacks(path: str, top: int = 40, within: str = "ms_per_step (") -> list[tuple[str, float, float]]:

@@ -55,7 +55,7 @@ _ROWS = {"decode_warps": None}
 
 def set_decode_row_warps(warps: int | None) -> None:
     """Warps of every row kernel's program at decode (fewer than 128 rows), or None for
-    row_launch's rule (benchmarks: bench_kernels.py --sweep-rows, bench_generate's -rowsN systems)."""
+    row_launch's rule (benchmarks: bench_kernels.py --sweep rows, bench_generate's -rowsN systems)."""
     _ROWS["decode_warps"] = warps
 
 
