@@ -118,7 +118,7 @@
 #              with fp8 weights and lm_head (200 s), the e4b in bf16 (170 s); then the 31b x 12 bf16 one-liner
 #              with its timed GEMM picks against every decode GEMM on Triton (200 s).
 #   prefetch   the decode GEMMs' weight prefetch before their PDL wait: its GPU tests, then the e4b and 26b-a4b at
-#              batch 1 (bf16 and fp8 weights + lm_head) without it and at the default budget.
+#              batch 1 (bf16 and fp8 weights + lm_head) without it, at the default budget and at 48 MiB.
 #   host       profile_host.py: the host's time per decode step (2-layer e2b, and the e2b at full depth;
 #              2-layer 26b-a4b with fp8 weights and lm_head; limits 240 / 200 s).
 #   profile    profile_decode.py on the 31b x 12, paged mode, batch 1 and 32: device time per decode
@@ -404,12 +404,12 @@ for s in "$@"; do
       stage bf16-picks-31b 180 $GEN 31b --layers 12 --batch 1 --systems gemma4opt gemma4opt-triton-gemms \
             --json "$OUT/generate.jsonl" ;;
     prefetch)
-      # The decode GEMMs' weight prefetch before their PDL wait: its kernel tests on the GPU (90 s), then the e4b and
-      # the 26b-a4b at batch 1, bf16 and fp8 weights + lm_head, without it (-pf0) and at the default budget
-      # (limits 250 / 230 s).
-      stage prefetch-tests 90 $PYTEST tests/kernels/test_weight_prefetch.py
-      stage prefetch-e4b 250 $GEN e4b --batch 1 --systems gemma4opt-pf0 gemma4opt gemma4opt-fp8-head-pf0 \
-            gemma4opt-fp8-head --json "$OUT/generate.jsonl"
+      # The decode GEMMs' weight prefetch before their PDL wait: its kernel tests on the GPU (120 s), then the e4b
+      # (eager first, for tokens) and the 26b-a4b at batch 1, bf16 and fp8 weights + lm_head, without it (-pf0), at
+      # the default budget and at 48 MiB (limits 330 / 230 s).
+      stage prefetch-tests 120 $PYTEST tests/kernels/test_weight_prefetch.py tests/kernels/test_pdl.py
+      stage prefetch-e4b 330 $GEN e4b --batch 1 --systems eager gemma4opt-pf0 gemma4opt gemma4opt-pf48 \
+            gemma4opt-fp8-head-pf0 gemma4opt-fp8-head --json "$OUT/generate.jsonl"
       stage prefetch-26b 230 $GEN 26b-a4b --batch 1 --systems gemma4opt-pf0 gemma4opt gemma4opt-fp8-head-pf0 \
             gemma4opt-fp8-head --json "$OUT/generate.jsonl" ;;
     rows)

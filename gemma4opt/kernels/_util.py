@@ -46,12 +46,12 @@ def pdl_prologue(PDL: tl.constexpr):
 
 # Weight prefetch before the PDL wait: a GEMM's weights are not written by the kernels before it, so
 # its programs, scheduled early by PDL while the previous kernel (a norm, the attention: a few us,
-# few SMs) still runs, can ask L2 for their weight rows before they wait. The first programs in
-# launch order (those resident early) prefetch all of their rows' part of K, until the budget of
-# bytes per GEMM is spent; the rest load as before. (Spreading the budget as a slice of every row
-# cost 10 % end to end: the lm_head's 262144 rows became a million 16-byte bulk requests.)
-# GEMMA4OPT_PREFETCH_MB=0 turns it off.
-PREFETCH_MB_DEFAULT = float(os.environ.get("GEMMA4OPT_PREFETCH_MB", "8"))
+# few SMs) still runs, ask L2 for the first bytes of their weight rows before they wait. At decode a
+# layer's GEMMs each start by waiting out HBM's latency with an empty pipeline; this fills it during
+# the kernel before. The budget caps the bytes one GEMM asks for (spread evenly over its rows, so
+# every program finds the same share waiting): well under L2 (50 MB on the H100 / H200), so
+# prefetched lines are not evicted before they are read. GEMMA4OPT_PREFETCH_MB=0 turns it off.
+PREFETCH_MB_DEFAULT = float(os.environ.get("GEMMA4OPT_PREFETCH_MB", "16"))
 _PREFETCH = {"mb": PREFETCH_MB_DEFAULT}
 
 
@@ -61,13 +61,12 @@ def set_weight_prefetch(mb: float) -> None:
 
 
 def weight_prefetch(w: torch.Tensor, pdl: bool) -> int:
-    """The bytes of w [N, K] that a GEMM launched with ``pdl`` prefetches into L2 before its wait:
-    0 without PDL, with the budget at 0, or where w's rows are not 16-byte aligned (the bulk
-    prefetch needs it)."""
-    stride_bytes = w.stride(0) * w.element_size()
-    if not pdl or _PREFETCH["mb"] <= 0 or not w.shape[0] or w.data_ptr() % 16 or stride_bytes % 16:
+    """Bytes of each row of w [N, K] that a GEMM launched with ``pdl`` prefetches into L2 before its
+    wait (a multiple of 16, as the bulk prefetch takes; 0 where rows are not 16-byte aligned)."""
+    rows, row_bytes, stride_bytes = w.shape[0], w.shape[-1] * w.element_size(), w.stride(0) * w.element_size()
+    if not pdl or _PREFETCH["mb"] <= 0 or not rows or w.data_ptr() % 16 or stride_bytes % 16:
         return 0
-    return int(_PREFETCH["mb"] * 2**20)
+    return min(row_bytes, int(_PREFETCH["mb"] * 2**20) // rows) // 16 * 16
 
 
 @triton.jit
@@ -81,19 +80,15 @@ def _bulk_prefetch_l2(ptr, nbytes):
 
 
 @triton.jit
-def prefetch_pieces(row0, N, lo, hi, BEFORE, BUDGET, ELEM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(row, offset in elements, bytes) of each lane's piece of prefetch_rows' request: elements
-    [lo, hi) (their bytes rounded down to 16) of rows row0 .. row0 + BLOCK_N - 1, if the programs
-    launched before this one (BEFORE of them, each as big) leave room in BUDGET bytes, else nothing.
-    The span is cut in pieces over 128 lanes (BLOCK_N if more) so that a program issues each byte
-    once, not once per thread that holds a row. Rows >= N and pieces past the span get 0 bytes
-    (their row clamped to N - 1)."""
+def prefetch_pieces(row0, N, lo, hi, PF, ELEM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(row, offset in elements, bytes) of each lane's piece of prefetch_rows' request: the first
+    PF bytes (rounded down to 16) of elements [lo, hi) of rows row0 .. row0 + BLOCK_N - 1, cut in
+    pieces over 128 lanes (BLOCK_N if more) so that a program issues each byte once, not once per
+    thread that holds a row. Rows >= N and pieces past the span get 0 bytes (their row clamped to N - 1)."""
     LANES: tl.constexpr = 128 if BLOCK_N < 128 else BLOCK_N
     i = tl.arange(0, LANES)
     r = i % BLOCK_N
-    span = tl.maximum(hi - lo, 0) * ELEM // 16 * 16
-    if (BEFORE.to(tl.int64) + 1) * BLOCK_N * span > BUDGET:
-        span = 0
+    span = tl.minimum(PF, (hi - lo) * ELEM) // 16 * 16
     piece = tl.cdiv(tl.cdiv(span, LANES // BLOCK_N), 16) * 16
     off = (i // BLOCK_N) * piece
     size = tl.minimum(tl.maximum(span - off, 0), piece)
@@ -102,12 +97,12 @@ def prefetch_pieces(row0, N, lo, hi, BEFORE, BUDGET, ELEM: tl.constexpr, BLOCK_N
 
 
 @triton.jit
-def prefetch_rows(W, row0, N, swn, lo, hi, BEFORE, BUDGET, BLOCK_N: tl.constexpr):
-    """Ask L2 for elements [lo, hi) of W's rows row0 .. row0 + BLOCK_N - 1 that are < N (row stride
-    swn elements) within a budget (prefetch_pieces). Compiled GPU code only (inline PTX, sm_90+):
-    call it under ``if PDL``."""
+def prefetch_rows(W, row0, N, swn, lo, hi, PF, BLOCK_N: tl.constexpr):
+    """Ask L2 for the first PF bytes (a multiple of 16) of elements [lo, hi) of W's rows
+    row0 .. row0 + BLOCK_N - 1 that are < N (row stride swn elements). Compiled GPU code only
+    (inline PTX, sm_90+): call it under ``if PDL``."""
     ELEM: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
-    row, off, size = prefetch_pieces(row0, N, lo, hi, BEFORE, BUDGET, ELEM, BLOCK_N)
+    row, off, size = prefetch_pieces(row0, N, lo, hi, PF, ELEM, BLOCK_N)
     _bulk_prefetch_l2(W + row * swn + off, size)
 
 

@@ -61,7 +61,7 @@ def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS, PF,
                        SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr = False,
                        PDL: tl.constexpr = False, CAP: tl.constexpr = 0.0):
     # ROWS (the row class: 1, 16 or 32) is not read: it keys the autotuner's choice per class.
-    # PF: the bytes of W that the first programs ask L2 for before the PDL wait (_util.weight_prefetch).
+    # PF: bytes of each W row (of this split's part) asked of L2 before the PDL wait (_util.weight_prefetch).
     sk = tl.program_id(1)
     if SPLIT_K == 1:
         lo = 0
@@ -71,8 +71,7 @@ def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS, PF,
         lo = sk * chunk
         hi = tl.minimum(lo + chunk, K)
     if PDL:
-        prefetch_rows(W, tl.program_id(0) * BLOCK_N, N, swn, lo, hi,
-                      sk * tl.num_programs(0) + tl.program_id(0), PF, BLOCK_N)
+        prefetch_rows(W, tl.program_id(0) * BLOCK_N, N, swn, lo, hi, PF // SPLIT_K, BLOCK_N)
     pdl_prologue(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N

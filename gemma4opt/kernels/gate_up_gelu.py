@@ -26,10 +26,9 @@ MAX_ROWS = 1        # each row streams all of W again: more rows are the GEMM's 
 @triton.jit
 def _gate_up_gelu_kernel(X, W, OUT, H, I, sxt, swn, sot, PF, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          COMPILED: tl.constexpr, PDL: tl.constexpr):
-    if PDL:     # the first programs' gate and up rows into L2 before the wait, PF bytes in all (_util.weight_prefetch)
-        before = 2 * (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0))
-        prefetch_rows(W, tl.program_id(1) * BLOCK_N, I, swn, 0, H, before, PF, BLOCK_N)
-        prefetch_rows(W + I * swn, tl.program_id(1) * BLOCK_N, I, swn, 0, H, before + 1, PF, BLOCK_N)
+    if PDL:     # PF bytes of each gate row and each up row into L2 before the wait (_util.weight_prefetch)
+        prefetch_rows(W, tl.program_id(1) * BLOCK_N, I, swn, 0, H, PF, BLOCK_N)
+        prefetch_rows(W + I * swn, tl.program_id(1) * BLOCK_N, I, swn, 0, H, PF, BLOCK_N)
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -113,7 +113,7 @@ def _skinny_kernel(X, U, W, Y, P, M, N, K, sxm, sum_, swn, sym, PF,
                    COMPILED: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
                    CAP: tl.constexpr = 0.0, GELU: tl.constexpr = False):
     # GELU: the input is gelu_tanh(X) * U (X, U of one shape; row strides sxm, sum_); else U is unread.
-    # PF: the bytes of W that the first programs ask L2 for before the PDL wait (_util.weight_prefetch).
+    # PF: bytes of each W row (of this split's part) asked of L2 before the PDL wait (_util.weight_prefetch).
     sk = tl.program_id(1)
     if SPLIT_K == 1:        # the whole of K, compiled as before split K existed (measured on the H200)
         lo = 0
@@ -123,8 +123,7 @@ def _skinny_kernel(X, U, W, Y, P, M, N, K, sxm, sum_, swn, sym, PF,
         lo = sk * chunk
         hi = tl.minimum(lo + chunk, K)
     if PDL:
-        prefetch_rows(W, tl.program_id(0) * BLOCK_N, N, swn, lo, hi,
-                      sk * tl.num_programs(0) + tl.program_id(0), PF, BLOCK_N)
+        prefetch_rows(W, tl.program_id(0) * BLOCK_N, N, swn, lo, hi, PF // SPLIT_K, BLOCK_N)
     pdl_prologue(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N

@@ -24,12 +24,14 @@ def restore_prefetch():
     _util.set_pdl(_util.PDL_DEFAULT)
 
 
-def test_budget_only_with_pdl_and_16_byte_aligned_rows(restore_prefetch):
-    _util.set_weight_prefetch(1)
-    w = torch.empty(1024, 2560, dtype=torch.bfloat16)
-    assert _util.weight_prefetch(w, True) == 2**20
+def test_bytes_per_row_spread_the_budget_and_refuse_misaligned_rows(restore_prefetch):
+    _util.set_weight_prefetch(1)                        # 1 MiB over the rows
+    w = torch.empty(1024, 2560, dtype=torch.bfloat16)   # 5120 B a row: 1 MiB / 1024 rows = 1024 B each
+    assert _util.weight_prefetch(w, True) == 1024
     assert _util.weight_prefetch(w, False) == 0         # no PDL: nothing runs before the wait to hide
-    assert _util.weight_prefetch(torch.empty(4, 48, dtype=torch.float8_e4m3fn)[:, :40], True) == 2**20  # 48 B stride
+    assert _util.weight_prefetch(w[:3], True) == 5120   # few rows: whole rows
+    assert _util.weight_prefetch(torch.empty(300, 2560, dtype=torch.bfloat16), True) == 3488   # 3495 -> 16s
+    assert _util.weight_prefetch(torch.empty(4, 48, dtype=torch.float8_e4m3fn)[:, :40], True) == 32  # 40 B rows
     assert _util.weight_prefetch(torch.empty(4, 12, dtype=torch.bfloat16), True) == 0   # 24 B stride
     assert _util.weight_prefetch(torch.empty(8, 65, dtype=torch.bfloat16)[:, 1:], True) == 0  # 130 B stride
     assert _util.weight_prefetch(torch.empty(0, 64), True) == 0
@@ -38,36 +40,34 @@ def test_budget_only_with_pdl_and_16_byte_aligned_rows(restore_prefetch):
 
 
 @triton.jit
-def _pieces_kernel(ROW, OFF, SIZE, N, K, BUDGET, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, ELEM: tl.constexpr):
-    # lo / hi of split sk and the launch order as the GEMM kernels compute them
+def _pieces_kernel(ROW, OFF, SIZE, N, K, PF, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   ELEM: tl.constexpr):
+    # lo / hi of split sk as the GEMM kernels compute them
     sk = tl.program_id(1)
     chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     lo = sk * chunk
     hi = tl.minimum(lo + chunk, K)
-    before = sk * tl.num_programs(0) + tl.program_id(0)
-    row, off, size = _util.prefetch_pieces(tl.program_id(0) * BLOCK_N, N, lo, hi, before, BUDGET, ELEM, BLOCK_N)
+    row, off, size = _util.prefetch_pieces(tl.program_id(0) * BLOCK_N, N, lo, hi, PF // SPLIT_K, ELEM, BLOCK_N)
     LANES: tl.constexpr = 128 if BLOCK_N < 128 else BLOCK_N
-    at = before * LANES + tl.arange(0, LANES)
+    at = (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) * LANES + tl.arange(0, LANES)
     tl.store(ROW + at, row)
     tl.store(OFF + at, off)
     tl.store(SIZE + at, size)
 
 
-@pytest.mark.parametrize("N,K,elem,block_n,split,budget", [
-    (7, 2560, 2, 1, 1, 10**6), (13, 2560, 2, 4, 1, 3 * 4 * 5120), (300, 96, 2, 16, 1, 4096), (37, 1000, 1, 8, 2, 9000),
-    (5, 640, 1, 64, 4, 2**20), (3, 40, 2, 4, 4, 1000), (200, 256, 2, 128, 1, 2**20), (9, 48, 4, 2, 1, 700),
-    (3, 512, 2, 256, 2, 0)])
-def test_pieces_cover_the_first_programs_rows_once(N, K, elem, block_n, split, budget, device):
-    """Programs in launch order prefetch their rows' part of K (rounded down to 16 bytes) while the
-    bytes of the programs up to and including them fit the budget; the pieces are 16-byte multiples,
-    do not overlap, stay in the row and cover exactly those parts."""
+@pytest.mark.parametrize("N,K,elem,block_n,split,pf", [
+    (7, 2560, 2, 1, 1, 5120), (13, 2560, 2, 4, 1, 816), (300, 96, 2, 16, 1, 4096), (37, 1000, 1, 8, 2, 512),
+    (5, 640, 1, 64, 4, 640), (3, 40, 2, 4, 4, 1000), (200, 256, 2, 128, 1, 96), (9, 48, 4, 2, 1, 10000), (3, 512, 2, 256, 2, 0)])
+def test_pieces_cover_each_rows_first_bytes_once(N, K, elem, block_n, split, pf):
+    """Every row < N gets exactly the first min(PF / splits, its part's bytes) bytes (rounded down to
+    16) of each split's part, as pieces that are 16-byte multiples, do not overlap and stay in the row."""
     lanes = max(128, block_n)
     programs = triton.cdiv(N, block_n)
     block_k = 32
     shape = (split * programs * lanes,)
-    row, off, size = (torch.empty(shape, dtype=dt, device=device) for dt in (torch.int64, torch.int32, torch.int32))
-    _pieces_kernel[(programs, split)](row, off, size, N, K, budget, SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k,
+    row, off, size = torch.empty(shape, dtype=torch.int64), torch.empty(shape, dtype=torch.int32), \
+        torch.empty(shape, dtype=torch.int32)
+    _pieces_kernel[(programs, split)](row, off, size, N, K, pf, SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k,
                                       ELEM=elem)
     chunk = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     got = {}
@@ -76,15 +76,12 @@ def test_pieces_cover_the_first_programs_rows_once(N, K, elem, block_n, split, b
         if b:
             got.setdefault(r, []).append((o * elem, o * elem + b))
     want = {}
-    for sk in range(split):
-        lo, hi = sk * chunk, min(sk * chunk + chunk, K)
-        span = max(hi - lo, 0) * elem // 16 * 16
-        for p in range(programs):
-            if (sk * programs + p + 1) * block_n * span > budget or not span:
-                continue
-            for r in range(p * block_n, min(p * block_n + block_n, N)):
+    for r in range(N):
+        for sk in range(split):
+            lo, hi = sk * chunk, min(sk * chunk + chunk, K)
+            span = min(pf // split, max(hi - lo, 0) * elem) // 16 * 16
+            if span:
                 want.setdefault(r, []).append((lo * elem, lo * elem + span))
-    assert want or budget < 1000, "the case prefetches nothing"
     for r in set(got) | set(want):
         pieces = sorted(got.get(r, []))
         assert all(a >= b_prev for (_, b_prev), (a, _) in zip(pieces, pieces[1:])), f"row {r}: overlap {pieces}"
@@ -169,7 +166,7 @@ def _chain(x, w, gu_w, down_w, gu_q, gu_s, buf):
 @pytest.mark.parametrize("mb", [0.5, 16, 4096])
 def test_graph_chain_same_bits_with_and_without_prefetch(rows, mb, restore_prefetch):
     """With PDL on, a replayed CUDA-graph chain of the GEMMs gives the same bits whatever the budget
-    (some programs' rows, the default, more than L2 holds) as without the prefetch."""
+    (a part of each row, the default, more than L2 holds) as without the prefetch."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("needs a Hopper GPU (PDL and the bulk prefetch)")
     torch.manual_seed(rows)
