@@ -117,8 +117,6 @@
 #   profile-layers  profile_decode.py at batch 1, PDL off, every kernel of one step in order: the 31b x 12
 #              with fp8 weights and lm_head (200 s), the e4b in bf16 (170 s); then the 31b x 12 bf16 one-liner
 #              with its timed GEMM picks against every decode GEMM on Triton (200 s).
-#   prefetch   the decode GEMMs' weight prefetch before their PDL wait: its GPU tests, then the e4b and 26b-a4b at
-#              batch 1 (bf16 and fp8 weights + lm_head) without it, at the default budget and at 48 MiB.
 #   host       profile_host.py: the host's time per decode step (2-layer e2b, and the e2b at full depth;
 #              2-layer 26b-a4b with fp8 weights and lm_head; limits 240 / 200 s).
 #   profile    profile_decode.py on the 31b x 12, paged mode, batch 1 and 32: device time per decode
@@ -403,15 +401,6 @@ for s in "$@"; do
             --attention paged --per-category 30
       stage bf16-picks-31b 180 $GEN 31b --layers 12 --batch 1 --systems gemma4opt gemma4opt-triton-gemms \
             --json "$OUT/generate.jsonl" ;;
-    prefetch)
-      # The decode GEMMs' weight prefetch before their PDL wait: its kernel tests on the GPU (120 s), then the e4b
-      # (eager first, for tokens) and the 26b-a4b at batch 1, bf16 and fp8 weights + lm_head, without it (-pf0), at
-      # the default budget and at 48 MiB (limits 330 / 230 s).
-      stage prefetch-tests 120 $PYTEST tests/kernels/test_weight_prefetch.py tests/kernels/test_pdl.py
-      stage prefetch-e4b 330 $GEN e4b --batch 1 --systems eager gemma4opt-pf0 gemma4opt gemma4opt-pf48 \
-            gemma4opt-fp8-head-pf0 gemma4opt-fp8-head --json "$OUT/generate.jsonl"
-      stage prefetch-26b 230 $GEN 26b-a4b --batch 1 --systems gemma4opt-pf0 gemma4opt gemma4opt-fp8-head-pf0 \
-            gemma4opt-fp8-head --json "$OUT/generate.jsonl" ;;
     rows)
       # The row kernels' warps at decode: swept per kernel on three presets (one row to 32), then the e4b at batch 1
       # end to end with every row kernel on 2, 4 or 8 warps against row_launch's rule (16 at its 2560 columns).
@@ -485,6 +474,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, prefetch)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks)" ;;
   esac
 done

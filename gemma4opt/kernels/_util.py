@@ -44,68 +44,6 @@ def pdl_prologue(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-# Weight prefetch before the PDL wait: a GEMM's weights are not written by the kernels before it, so
-# its programs, scheduled early by PDL while the previous kernel (a norm, the attention: a few us,
-# few SMs) still runs, ask L2 for the first bytes of their weight rows before they wait. At decode a
-# layer's GEMMs each start by waiting out HBM's latency with an empty pipeline; this fills it during
-# the kernel before. The budget caps the bytes one GEMM asks for (spread evenly over its rows, so
-# every program finds the same share waiting): well under L2 (50 MB on the H100 / H200), so
-# prefetched lines are not evicted before they are read. GEMMA4OPT_PREFETCH_MB=0 turns it off.
-PREFETCH_MB_DEFAULT = float(os.environ.get("GEMMA4OPT_PREFETCH_MB", "16"))
-_PREFETCH = {"mb": PREFETCH_MB_DEFAULT}
-
-
-def set_weight_prefetch(mb: float) -> None:
-    """The bytes (MiB) a decode GEMM asks L2 for before its PDL wait; 0 turns it off (benchmarks)."""
-    _PREFETCH["mb"] = float(mb)
-
-
-def weight_prefetch(w: torch.Tensor, pdl: bool) -> int:
-    """Bytes of each row of w [N, K] that a GEMM launched with ``pdl`` prefetches into L2 before its
-    wait (a multiple of 16, as the bulk prefetch takes; 0 where rows are not 16-byte aligned)."""
-    rows, row_bytes, stride_bytes = w.shape[0], w.shape[-1] * w.element_size(), w.stride(0) * w.element_size()
-    if not pdl or _PREFETCH["mb"] <= 0 or not rows or w.data_ptr() % 16 or stride_bytes % 16:
-        return 0
-    return min(row_bytes, int(_PREFETCH["mb"] * 2**20) // rows) // 16 * 16
-
-
-@triton.jit
-def _bulk_prefetch_l2(ptr, nbytes):
-    # One asynchronous bulk copy of nbytes (a multiple of 16) at ptr (16-byte aligned) into L2,
-    # skipped where nbytes is 0; nothing is read into registers. The int32 result is a dummy that
-    # inline asm must have; not pure, so it is kept.
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr.to(tl.int64, bitcast=True), nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_pieces(row0, N, lo, hi, PF, ELEM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(row, offset in elements, bytes) of each lane's piece of prefetch_rows' request: the first
-    PF bytes (rounded down to 16) of elements [lo, hi) of rows row0 .. row0 + BLOCK_N - 1, cut in
-    pieces over 128 lanes (BLOCK_N if more) so that a program issues each byte once, not once per
-    thread that holds a row. Rows >= N and pieces past the span get 0 bytes (their row clamped to N - 1)."""
-    LANES: tl.constexpr = 128 if BLOCK_N < 128 else BLOCK_N
-    i = tl.arange(0, LANES)
-    r = i % BLOCK_N
-    span = tl.minimum(PF, (hi - lo) * ELEM) // 16 * 16
-    piece = tl.cdiv(tl.cdiv(span, LANES // BLOCK_N), 16) * 16
-    off = (i // BLOCK_N) * piece
-    size = tl.minimum(tl.maximum(span - off, 0), piece)
-    size = tl.where(row0 + r < N, size, 0)
-    return tl.minimum(row0 + r, N - 1).to(tl.int64), lo + off // ELEM, size
-
-
-@triton.jit
-def prefetch_rows(W, row0, N, swn, lo, hi, PF, BLOCK_N: tl.constexpr):
-    """Ask L2 for the first PF bytes (a multiple of 16) of elements [lo, hi) of W's rows
-    row0 .. row0 + BLOCK_N - 1 that are < N (row stride swn elements). Compiled GPU code only
-    (inline PTX, sm_90+): call it under ``if PDL``."""
-    ELEM: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
-    row, off, size = prefetch_pieces(row0, N, lo, hi, PF, ELEM, BLOCK_N)
-    _bulk_prefetch_l2(W + row * swn + off, size)
-
-
 def rows_view(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, D] with unit stride on D (a copy only if the last dim is strided)."""
     x2 = x.reshape(-1, x.shape[-1])

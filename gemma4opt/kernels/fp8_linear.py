@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels._util import pdl_flags, pdl_prologue, prefetch_rows, rows_view, weight_prefetch
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue, rows_view
 from gemma4opt.kernels.skinny_linear import _out, bench_short, row_dot_tile
 
 MAX_ROWS = 32
@@ -56,12 +56,17 @@ def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm,
 
 
 @triton.jit
-def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS, PF,
+def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr = False,
                        PDL: tl.constexpr = False, CAP: tl.constexpr = 0.0):
     # ROWS (the row class: 1, 16 or 32) is not read: it keys the autotuner's choice per class.
-    # PF: bytes of each W row (of this split's part) asked of L2 before the PDL wait (_util.weight_prefetch).
+    pdl_prologue(PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    w_rows = W + n.to(tl.int64)[:, None] * swn
+    m = tl.arange(0, BLOCK_M)
+    mmask = m < M
     sk = tl.program_id(1)
     if SPLIT_K == 1:
         lo = 0
@@ -70,14 +75,6 @@ def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS, PF,
         chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
         lo = sk * chunk
         hi = tl.minimum(lo + chunk, K)
-    if PDL:
-        prefetch_rows(W, tl.program_id(0) * BLOCK_N, N, swn, lo, hi, PF // SPLIT_K, BLOCK_N)
-    pdl_prologue(PDL)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    w_rows = W + n.to(tl.int64)[:, None] * swn
-    m = tl.arange(0, BLOCK_M)
-    mmask = m < M
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N], tl.float32)
     elif SWAP:
@@ -199,9 +196,8 @@ def fp8_linear_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.T
                 raise ValueError(f"gemma4opt fp8_linear: BLOCK_M={bm} for {M} rows (1, 16 or 32, at least the rows)")
         # Room for the most splits (a one-row dot tile may split too).
         part = torch.empty(MAX_SPLIT * M * N, dtype=torch.float32, device=x_fp8.device)
+        args = (x2, xs, w_fp8, ws, y, part, M, N, K, x2.stride(0), w_fp8.stride(0), y.stride(0), bm)
         flags = dict(COMPILED=_COMPILED, CAP=float(cap or 0.0), **pdl_flags(y))
-        args = (x2, xs, w_fp8, ws, y, part, M, N, K, x2.stride(0), w_fp8.stride(0), y.stride(0), bm,
-                weight_prefetch(w_fp8, flags["PDL"]))
         if config is None and not _COMPILED:
             bn, split = (4, 1) if bm == 1 else (16, _INTERPRETER_SPLIT)
             config = dict(BLOCK_N=bn, BLOCK_K=32, SPLIT_K=split)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels._util import pdl_flags, pdl_prologue, prefetch_rows, weight_prefetch
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue
 from gemma4opt.kernels.gelu_tanh_mul import gelu_mul_rounded
 from gemma4opt.kernels.moe_experts import TILES, _block_k, gate_up_sums
 from gemma4opt.kernels.skinny_linear import _COMPILED
@@ -24,11 +24,8 @@ MAX_ROWS = 1        # each row streams all of W again: more rows are the GEMM's 
 
 
 @triton.jit
-def _gate_up_gelu_kernel(X, W, OUT, H, I, sxt, swn, sot, PF, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gate_up_gelu_kernel(X, W, OUT, H, I, sxt, swn, sot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          COMPILED: tl.constexpr, PDL: tl.constexpr):
-    if PDL:     # PF bytes of each gate row and each up row into L2 before the wait (_util.weight_prefetch)
-        prefetch_rows(W, tl.program_id(1) * BLOCK_N, I, swn, 0, H, PF, BLOCK_N)
-        prefetch_rows(W + I * swn, tl.program_id(1) * BLOCK_N, I, swn, 0, H, PF, BLOCK_N)
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -52,8 +49,8 @@ def gate_up_gelu_triton(x: torch.Tensor, weight: torch.Tensor, launch: dict | No
     out = torch.empty(rows, I, dtype=x.dtype, device=x.device)
     if rows:
         t = {**TILES, **(launch or {})}
-        flags = pdl_flags(x)
         _gate_up_gelu_kernel[(rows, triton.cdiv(I, t["gu_n"]))](
-            x2, weight, out, H, I, x2.stride(0), weight.stride(0), out.stride(0), weight_prefetch(weight, flags["PDL"]),
-            BLOCK_N=t["gu_n"], BLOCK_K=_block_k(H, t["gu_k"]), COMPILED=_COMPILED, num_warps=t["gu_warps"], **flags)
+            x2, weight, out, H, I, x2.stride(0), weight.stride(0), out.stride(0),
+            BLOCK_N=t["gu_n"], BLOCK_K=_block_k(H, t["gu_k"]), COMPILED=_COMPILED, num_warps=t["gu_warps"],
+            **pdl_flags(x))
     return out.reshape(*x.shape[:-1], I)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from gemma4opt.kernels._util import pdl_flags, pdl_prologue, prefetch_rows, rows_view, weight_prefetch
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue, rows_view
 from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_rounded
 from gemma4opt.kernels.softcap import softcap_rounded
 
@@ -108,12 +108,17 @@ def _out(acc, dt, CAP: tl.constexpr):
 
 
 @triton.jit
-def _skinny_kernel(X, U, W, Y, P, M, N, K, sxm, sum_, swn, sym, PF,
+def _skinny_kernel(X, U, W, Y, P, M, N, K, sxm, sum_, swn, sym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                    COMPILED: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
                    CAP: tl.constexpr = 0.0, GELU: tl.constexpr = False):
     # GELU: the input is gelu_tanh(X) * U (X, U of one shape; row strides sxm, sum_); else U is unread.
-    # PF: bytes of each W row (of this split's part) asked of L2 before the PDL wait (_util.weight_prefetch).
+    pdl_prologue(PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    w_rows = W + n.to(tl.int64)[:, None] * swn
+    m = tl.arange(0, BLOCK_M)
+    mmask = m < M
     sk = tl.program_id(1)
     if SPLIT_K == 1:        # the whole of K, compiled as before split K existed (measured on the H200)
         lo = 0
@@ -122,14 +127,6 @@ def _skinny_kernel(X, U, W, Y, P, M, N, K, sxm, sum_, swn, sym, PF,
         chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
         lo = sk * chunk
         hi = tl.minimum(lo + chunk, K)
-    if PDL:
-        prefetch_rows(W, tl.program_id(0) * BLOCK_N, N, swn, lo, hi, PF // SPLIT_K, BLOCK_N)
-    pdl_prologue(PDL)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    w_rows = W + n.to(tl.int64)[:, None] * swn
-    m = tl.arange(0, BLOCK_M)
-    mmask = m < M
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N], tl.float32)
     elif SWAP:
@@ -291,10 +288,9 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | N
         bm = 1 if M == 1 else 16 if M <= 16 else 32
         # Room for the most splits any config may take; a config with fewer uses the first ones.
         part = torch.empty(max_split(N) * M * N if bm > 1 else 1, dtype=torch.float32, device=x.device)
+        args = (x2, u2, weight, y, part, M, N, K, x2.stride(0), u2.stride(0), weight.stride(0), y.stride(0))
         flags = dict(BLOCK_M=bm, COMPILED=_COMPILED, IEEE=x.dtype == torch.float32, CAP=float(cap or 0.0),
                      GELU=up is not None, **pdl_flags(y))
-        args = (x2, u2, weight, y, part, M, N, K, x2.stride(0), u2.stride(0), weight.stride(0), y.stride(0),
-                weight_prefetch(weight, flags["PDL"]))
         if config is None and not _COMPILED:
             bn, split = (4, 1) if bm == 1 else (16, _INTERPRETER_SPLIT)
             config = dict(BLOCK_N=bn, BLOCK_K=32, SPLIT_K=split)

@@ -47,7 +47,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from gemma4opt.kernels.fp8_linear import _fp8_linear_kernel
 sig = dict(X="*fp8e4nv", XS="*fp32", W="*fp8e4nv", WS="*fp32", Y="*bf16", P="*fp32", M="i32", N="i32", K="i32",
-           sxm="i32", swn="i32", sym="i32", ROWS="i32", PF="i32")
+           sxm="i32", swn="i32", sym="i32", ROWS="i32")
 consts = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, COMPILED=True, SWAP=True, PDL=False, CAP=0.0)
 sig.update({k: "constexpr" for k in consts})
 try:
