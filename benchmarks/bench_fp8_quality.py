@@ -32,6 +32,9 @@ from gemma4opt.ops.fp8_weights import QUANTIZED_BLOCKS, quantize_linears
 from gemma4opt.presets import ALL_PRESETS, build_model
 
 
+ANCHOR = "hf-finegrained-fp8"      # measured first (the default order): later rows say how far from it
+
+
 def _blocks_quant(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """x [R, C] quantized and dequantized in (rows x cols) blocks, one scale each (fp32 math); the
     last blocks of a side that is not a multiple are partial, as FineGrainedFP8's scales
@@ -96,12 +99,20 @@ def block_fp8(model: torch.nn.Module, block: int) -> None:
                 setattr(module, name, BlockFp8Linear(lin, block))
 
 
-def _metrics(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
-    """(mean KL(p_ref || p_got) in nats, top-1 agreement), over every position."""
+def _metrics(ref: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(KL(p_ref || p_got) in nats at every position, flattened; top-1 agreement over them)."""
     lp, lq = ref.float().log_softmax(-1), got.float().log_softmax(-1)
-    kl = (lp.exp() * (lp - lq)).sum(-1).mean().item()
+    kl = (lp.exp() * (lp - lq)).sum(-1).flatten().double()
     top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
     return kl, top1
+
+
+def _vs_anchor(kl: torch.Tensor, anchor: torch.Tensor) -> tuple[float, float]:
+    """(mean KL - the anchor's) / the anchor's mean, and that ratio's standard error, paired by
+    position (each position's two KLs come from the same tokens). Positions of one sequence are not
+    independent draws, so the error is a guide to the noise, not a test."""
+    d = kl - anchor
+    return (d.mean() / anchor.mean()).item(), (d.std() / d.numel() ** 0.5 / anchor.mean()).item()
 
 
 def main(argv=None):
@@ -130,7 +141,7 @@ def main(argv=None):
     with torch.no_grad():
         ref = model(ids).logits.float().cpu()
     print(f"# {args.preset} x {cfg.num_hidden_layers} layers, {dtype}, {args.batch * args.seq} positions on {machine}")
-    rows = []
+    rows, anchor = [], None
     for i, system in enumerate(args.systems):
         # The last system quantizes the model itself: at most one copy is alive (full 31b: 62 GB each).
         m = model if i == len(args.systems) - 1 else copy.deepcopy(model)
@@ -143,12 +154,19 @@ def main(argv=None):
             block_fp8(m, args.block)
         with torch.no_grad():
             got = m(ids).logits.float().cpu()
-        kl, top1 = _metrics(ref, got)
+        kls, top1 = _metrics(ref, got)
+        kl = kls.mean().item()
         row = dict(run=run, machine=machine, command="python3 benchmarks/bench_fp8_quality.py " + " ".join(
             argv if argv is not None else sys.argv[1:]), preset=args.preset, layers=cfg.num_hidden_layers,
                    positions=args.batch * args.seq, dtype=str(dtype).replace("torch.", ""), system=system,
-                   kl=kl, top1=top1)
-        print(f"{system:>20}  KL {kl:.3g} nats  top-1 agreement {top1:.4f}", flush=True)
+                   kl=kl, kl_se=(kls.std() / kls.numel() ** 0.5).item(), top1=top1)
+        line = f"{system:>20}  KL {kl:.3g} nats  top-1 agreement {top1:.4f}"
+        if system == ANCHOR:
+            anchor = kls
+        elif anchor is not None:
+            row["kl_vs_anchor"], row["kl_vs_anchor_se"] = _vs_anchor(kls, anchor)
+            line += f"  KL vs the anchor {row['kl_vs_anchor']:+.1%} ± {row['kl_vs_anchor_se']:.1%}"
+        print(line, flush=True)
         rows.append(row)
         del m
         if args.device.startswith("cuda"):

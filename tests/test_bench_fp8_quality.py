@@ -20,8 +20,25 @@ def test_rows_and_gemma4opt_equal_to_the_reference_path(tmp_path):
     by = {r["system"]: r for r in rows}
     assert set(by) == {"hf-finegrained-fp8", "fp8-reference", "gemma4opt-fp8"}
     assert by["gemma4opt-fp8"]["kl"] == by["fp8-reference"]["kl"] and by["gemma4opt-fp8"]["top1"] == by["fp8-reference"]["top1"]
-    assert all(0 < r["kl"] < 0.1 and r["positions"] == 64 for r in rows)
+    assert all(0 < r["kl"] < 0.1 and r["positions"] == 64 and 0 < r["kl_se"] < r["kl"] for r in rows)
+    # Against the anchor (measured first): paired by position, so a system equal to it would read 0 ± 0.
+    assert "kl_vs_anchor" not in by["hf-finegrained-fp8"]
+    for name in ("fp8-reference", "gemma4opt-fp8"):
+        r = by[name]
+        assert abs(r["kl_vs_anchor"] - (r["kl"] / by["hf-finegrained-fp8"]["kl"] - 1)) < 1e-9 and r["kl_vs_anchor_se"] > 0
     assert [json.loads(line)["system"] for line in out.read_text().splitlines()] == [r["system"] for r in rows]
+
+
+def test_paired_difference_is_zero_for_the_anchor_itself():
+    spec = importlib.util.spec_from_file_location("bench_fp8_quality", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    import torch
+
+    kl = torch.tensor([1.0, 2.0, 3.0, 6.0], dtype=torch.float64)
+    assert mod._vs_anchor(kl, kl) == (0.0, 0.0)
+    ratio, se = mod._vs_anchor(kl * 1.5, kl)       # 50 % above, the differences' spread over sqrt(4)
+    assert abs(ratio - 0.5) < 1e-12 and abs(se - (0.5 * kl).std().item() / 2 / 3.0) < 1e-12
 
 
 def test_moe_experts_are_fp8_in_every_system():
