@@ -169,11 +169,19 @@ def fp8_quality_section(rows):
         "per position and top-1 agreement. Systems: gemma4opt's optimized fp8 model; the fp8 reference path "
         "(its semantics in plain torch: per-channel weight scales, per-token activation scales); transformers' "
         "FineGrainedFP8 scheme (128 × 128 weight blocks, 1 × 128 activation groups) emulated in torch, the anchor. "
-        "Random weights of a few layers move the logits little: compare systems within a run.", rows,
-        ["model", "positions", "dtype", "system", "KL (nats)", "top-1"],
-        ["---", "---:", "---", "---", "---:", "---:"],
+        "Random weights of a few layers move the logits little: compare systems within a run. Where a run has it, "
+        "\"vs anchor\" is the system's mean KL over the anchor's minus one, paired by position, ± its standard error "
+        "(positions of a sequence are not independent: a guide to the noise, not a test).", rows,
+        ["model", "positions", "dtype", "system", "KL (nats)", "vs anchor", "top-1"],
+        ["---", "---:", "---", "---", "---:", "---:", "---:"],
         lambda r: [f"{r['preset']} × {r['layers']}", str(r["positions"]), r["dtype"], r["system"],
-                   f"{r['kl']:.3g}", f"{r['top1']:.4f}"])
+                   f"{r['kl']:.3g}", _vs_anchor(r), f"{r['top1']:.4f}"])
+
+
+def _vs_anchor(r) -> str:
+    if "kl_vs_anchor" not in r:
+        return "—"
+    return f"{r['kl_vs_anchor']:+.1%} ± {r['kl_vs_anchor_se']:.1%}"
 
 
 def sweeps_section(rows):
