@@ -13,7 +13,9 @@ router, PLE kept), over ``--batch x --seq`` random tokens (>= 512 positions):
 - ``hf-finegrained-fp8``: transformers' FineGrainedFP8Config semantics (128 x 128 weight blocks,
   1 x 128 activation groups, dynamic) emulated in torch on the same projections and, as its
   FP8Experts does, on each expert's gate_up and down, the anchor: its own kernel comes from the
-  `kernels` hub, which an offline machine cannot load.
+  `kernels` hub, which an offline machine cannot load;
+- ``fp8-channel-weights-group-acts``, ``fp8-block-weights-token-acts``: the anchor with one side in
+  gemma4opt's scheme (not default systems): which side a difference between the two comes from.
 Per system: the mean KL(p_ref || p_fp8) over positions and the top-1 agreement with the reference.
 """
 from __future__ import annotations
@@ -51,16 +53,19 @@ def _blocks_quant(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 class BlockFp8Linear(torch.nn.Module):
     """FineGrainedFP8's scheme in torch: weight in (block x block) tiles, activations in 1 x block
-    groups per token, both dynamic scales = amax / 448, product in fp32."""
+    groups per token, both dynamic scales = amax / 448, product in fp32. ``weights="channel"`` or
+    ``acts="token"``: that side in gemma4opt's scheme instead (one scale per output channel / per
+    token), to see which side a difference between the two schemes comes from."""
 
-    def __init__(self, linear: torch.nn.Linear, block: int):
+    def __init__(self, linear: torch.nn.Linear, block: int, weights: str = "block", acts: str = "group"):
         super().__init__()
-        self.block = block
-        self.register_buffer("w", _blocks_quant(linear.weight.detach(), block, block))
+        self.block, self.acts = block, acts
+        w = linear.weight.detach()
+        self.register_buffer("w", _blocks_quant(w, block, block) if weights == "block" else _blocks_quant(w, 1, w.shape[1]))
 
     def forward(self, x):
         K = x.shape[-1]
-        xd = _blocks_quant(x.reshape(-1, K), 1, self.block).reshape(x.shape)
+        xd = _blocks_quant(x.reshape(-1, K), 1, self.block if self.acts == "group" else K).reshape(x.shape)
         return torch.matmul(xd, self.w.t()).to(x.dtype)
 
 
@@ -89,14 +94,19 @@ class BlockFp8Experts(torch.nn.Module):
         return out.to(x.dtype)
 
 
-def block_fp8(model: torch.nn.Module, block: int) -> None:
+def block_fp8(model: torch.nn.Module, block: int, weights: str = "block", acts: str = "group") -> None:
     for module in list(model.modules()):
         if type(getattr(module, "experts", None)).__name__ == "Gemma4TextExperts":
             module.experts = BlockFp8Experts(module.experts, block)
         for name in QUANTIZED_BLOCKS.get(type(module).__name__, ()):
             lin = getattr(module, name, None)
             if lin is not None:
-                setattr(module, name, BlockFp8Linear(lin, block))
+                setattr(module, name, BlockFp8Linear(lin, block, weights, acts))
+
+
+# The anchor with one side swapped for gemma4opt's scheme (projections only; experts as the anchor's).
+MIXED = {"fp8-channel-weights-group-acts": dict(weights="channel", acts="group"),
+         "fp8-block-weights-token-acts": dict(weights="block", acts="token")}
 
 
 def _metrics(ref: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -124,7 +134,7 @@ def main(argv=None):
     ap.add_argument("--block", type=int, default=128, help="FineGrainedFP8's block (128; smaller for tiny presets)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--systems", nargs="+", default=["hf-finegrained-fp8", "fp8-reference", "gemma4opt-fp8"],
-                    choices=["hf-finegrained-fp8", "fp8-reference", "gemma4opt-fp8", "gemma4opt-fp8-head"])
+                    choices=["hf-finegrained-fp8", "fp8-reference", "gemma4opt-fp8", "gemma4opt-fp8-head", *MIXED])
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                     help="the reference model's dtype (default: bfloat16 on CUDA, float32 elsewhere)")
     ap.add_argument("--json", default=None)
@@ -151,7 +161,7 @@ def main(argv=None):
         elif system == "fp8-reference":
             quantize_linears(m)
         else:
-            block_fp8(m, args.block)
+            block_fp8(m, args.block, **MIXED.get(system, {}))
         with torch.no_grad():
             got = m(ids).logits.float().cpu()
         kls, top1 = _metrics(ref, got)

@@ -41,6 +41,26 @@ def test_paired_difference_is_zero_for_the_anchor_itself():
     assert abs(ratio - 0.5) < 1e-12 and abs(se - (0.5 * kl).std().item() / 2 / 3.0) < 1e-12
 
 
+def test_anchor_with_both_sides_swapped_is_gemma4opts_reference():
+    """BlockFp8Linear with per-channel weights and per-token activations computes ops/fp8.py's
+    reference product: the mixed systems swap exactly one scheme for the other."""
+    import torch
+
+    from gemma4opt.ops.fp8 import fp8_linear_reference, quantize_rows_reference, quantize_weight_reference
+
+    spec = importlib.util.spec_from_file_location("bench_fp8_quality", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(300, 70, bias=False)
+    x = torch.randn(5, 300) * torch.rand(300) * 4
+    got = mod.BlockFp8Linear(lin, 128, weights="channel", acts="token")(x)
+    want = fp8_linear_reference(*quantize_rows_reference(x), *quantize_weight_reference(lin.weight.detach()), x.dtype)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    anchor = mod.BlockFp8Linear(lin, 128)(x)
+    assert not torch.allclose(anchor, want, rtol=1e-6, atol=1e-6)      # the blocks do differ
+
+
 def test_moe_experts_are_fp8_in_every_system():
     """tiny-moe: the anchor's emulation swaps each experts block too (FineGrainedFP8 quantizes
     experts), and gemma4opt's fp8 experts equal the reference path's."""
