@@ -37,10 +37,10 @@ from gemma4opt.presets import ALL_PRESETS, build_model
 ANCHOR = "hf-finegrained-fp8"      # measured first (the default order): later rows say how far from it
 
 
-def _blocks_quant(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """x [R, C] quantized and dequantized in (rows x cols) blocks, one scale each (fp32 math); the
-    last blocks of a side that is not a multiple are partial, as FineGrainedFP8's scales
-    (ceil(N / block) x ceil(K / block)) make them: zero padding changes no block's amax."""
+def _block_quantize(x: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] quantized in (rows x cols) blocks, one scale each (fp32 math): (e4m3 [R, C], scales
+    [ceil(R / rows), ceil(C / cols)]); the last blocks of a side that is not a multiple are partial,
+    as FineGrainedFP8's scales make them: zero padding changes no block's amax."""
     R, C = x.shape
     pr, pc = -R % rows, -C % cols
     xf = torch.nn.functional.pad(x.float(), (0, pc, 0, pr))
@@ -48,7 +48,17 @@ def _blocks_quant(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     xf = xf.reshape(Rp // rows, rows, Cp // cols, cols)
     scale = (xf.abs().amax(dim=(1, 3), keepdim=True) / torch.full((), FP8_MAX, device=x.device)).clamp_min(SCALE_MIN)
     q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return (q.float() * scale).reshape(Rp, Cp)[:R, :C]
+    return q.reshape(Rp, Cp)[:R, :C], scale.reshape(Rp // rows, Cp // cols)
+
+
+def _block_dequantize(q: torch.Tensor, scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    R, C = q.shape
+    return q.float() * scale.repeat_interleave(rows, 0)[:R].repeat_interleave(cols, 1)[:, :C]
+
+
+def _blocks_quant(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """x [R, C] quantized and dequantized in (rows x cols) blocks (fp32)."""
+    return _block_dequantize(*_block_quantize(x, rows, cols), rows, cols)
 
 
 class BlockFp8Linear(torch.nn.Module):
@@ -76,10 +86,15 @@ class BlockFp8Experts(torch.nn.Module):
     def __init__(self, experts: torch.nn.Module, block: int):
         super().__init__()
         self.block = block
-        self.register_buffer("gu", torch.stack([_blocks_quant(w.detach(), block, block) for w in experts.gate_up_proj]))
-        self.register_buffer("dn", torch.stack([_blocks_quant(w.detach(), block, block) for w in experts.down_proj]))
+        # Kept in e4m3 with their block scales and widened one expert at a time in forward: all the
+        # 26b-a4b's experts in fp32 would take 4x its bf16 weights (it ran out of an H200's memory).
+        for name, ws in (("gu", experts.gate_up_proj), ("dn", experts.down_proj)):
+            qs = [_block_quantize(w.detach(), block, block) for w in ws]
+            self.register_buffer(name, torch.stack([q for q, _ in qs]))
+            self.register_buffer(name + "_scale", torch.stack([s for _, s in qs]))
 
-    def _linear(self, x, w):
+    def _linear(self, x, q, scale):
+        w = _block_dequantize(q, scale, self.block, self.block)
         return torch.matmul(_blocks_quant(x, 1, self.block), w.t())
 
     def forward(self, x, top_k_index, top_k_weights):
@@ -87,9 +102,9 @@ class BlockFp8Experts(torch.nn.Module):
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(top_k_index).tolist():
             t, j = torch.nonzero(top_k_index == e, as_tuple=True)
-            gu = self._linear(x[t], self.gu[e]).to(x.dtype)
+            gu = self._linear(x[t], self.gu[e], self.gu_scale[e]).to(x.dtype)
             act = torch.nn.functional.gelu(gu[:, :I], approximate="tanh") * gu[:, I:]
-            y = self._linear(act, self.dn[e]).to(x.dtype).float() * top_k_weights[t, j].float()[:, None]
+            y = self._linear(act, self.dn[e], self.dn_scale[e]).to(x.dtype).float() * top_k_weights[t, j].float()[:, None]
             out.index_add_(0, t, y)
         return out.to(x.dtype)
 
