@@ -120,6 +120,8 @@
 #   fp8-quality-paired  bench_fp8_quality.py on the GPU: the e4b and 26b-a4b at full depth, the 31b x 12, 2048
 #              positions, KL against the anchor's paired by position (200 / 200 / 120 s). fp8-quality-26b: the
 #              26b-a4b alone, gemma4opt's fp8 weights against the anchor (220 s).
+#   split-fold  fp8 GEMMs' split-K tiles summed in the kernel (off by default): its GPU tests, then the e4b (twice
+#              each, alternating) and the 26b-a4b at batch 1, fp8 weights + lm_head, without and with it.
 #   host       profile_host.py: the host's time per decode step (2-layer e2b, and the e2b at full depth;
 #              2-layer 26b-a4b with fp8 weights and lm_head; limits 240 / 200 s).
 #   profile    profile_decode.py on the 31b x 12, paged mode, batch 1 and 32: device time per decode
@@ -418,6 +420,14 @@ for s in "$@"; do
       # The 26b-a4b at full depth alone (its anchor's experts kept in e4m3, widened one expert at a time; 220 s).
       stage fp8-quality-26b-a4b 220 python3 benchmarks/bench_fp8_quality.py --preset 26b-a4b --batch 8 --seq 256 \
             --systems hf-finegrained-fp8 gemma4opt-fp8 --json "$OUT/fp8_quality.jsonl" ;;
+    split-fold)
+      # fp8 GEMM split-K tiles summing their partials in the kernel (off by default): the kernel's tests on the GPU
+      # (120 s), then the e4b and the 26b-a4b at batch 1 with fp8 weights + lm_head, without and with it (250 / 230 s).
+      stage split-fold-tests 120 $PYTEST tests/kernels/test_fp8_linear_kernel.py -k "fold or matches_reference"
+      stage split-fold-e4b 250 $GEN e4b --batch 1 --systems gemma4opt-fp8-head gemma4opt-fp8-head-fold \
+            gemma4opt-fp8-head gemma4opt-fp8-head-fold --json "$OUT/generate.jsonl"
+      stage split-fold-26b 230 $GEN 26b-a4b --batch 1 --systems gemma4opt-fp8-head gemma4opt-fp8-head-fold \
+            --json "$OUT/generate.jsonl" ;;
     rows)
       # The row kernels' warps at decode: swept per kernel on three presets (one row to 32), then the e4b at batch 1
       # end to end with every row kernel on 2, 4 or 8 warps against row_launch's rule (16 at its 2560 columns).
@@ -491,6 +501,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, fp8-quality-26b)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, fp8-quality-26b, split-fold)" ;;
   esac
 done
