@@ -120,8 +120,8 @@
 #   fp8-quality-paired  bench_fp8_quality.py on the GPU: the e4b and 26b-a4b at full depth, the 31b x 12, 2048
 #              positions, KL against the anchor's paired by position (200 / 200 / 120 s). fp8-quality-26b: the
 #              26b-a4b alone, gemma4opt's fp8 weights against the anchor (220 s).
-#   split-fold  fp8 GEMMs' split-K tiles summed in the kernel (off by default): its GPU tests, then the e4b (twice
-#              each, alternating) and the 26b-a4b at batch 1, fp8 weights + lm_head, without and with it.
+#   split-fold  GEMM split-K tiles summed in the kernel (off by default): its GPU tests, then the e4b at batch 1 fp8
+#              (twice each, alternating), the e4b at batch 32 bf16, the 26b-a4b at batch 1 fp8, without and with it.
 #   host       profile_host.py: the host's time per decode step (2-layer e2b, and the e2b at full depth;
 #              2-layer 26b-a4b with fp8 weights and lm_head; limits 240 / 200 s).
 #   profile    profile_decode.py on the 31b x 12, paged mode, batch 1 and 32: device time per decode
@@ -421,12 +421,15 @@ for s in "$@"; do
       stage fp8-quality-26b-a4b 220 python3 benchmarks/bench_fp8_quality.py --preset 26b-a4b --batch 8 --seq 256 \
             --systems hf-finegrained-fp8 gemma4opt-fp8 --json "$OUT/fp8_quality.jsonl" ;;
     split-fold)
-      # fp8 GEMM split-K tiles summing their partials in the kernel (off by default): the kernel's tests on the GPU
-      # (120 s), then the e4b and the 26b-a4b at batch 1 with fp8 weights + lm_head, without and with it (250 / 230 s).
-      stage split-fold-tests 120 $PYTEST tests/kernels/test_fp8_linear_kernel.py -k "fold or matches_reference"
+      # GEMM split-K tiles summing their partials in the kernel (off by default): the fp8 and bf16 GEMMs' fold tests on
+      # the GPU (150 s), then the e4b at batch 1 with fp8 weights + lm_head without and with it, twice each
+      # alternating (250 s), the e4b at batch 32 in bf16 (narrow split tiles; 200 s), the 26b-a4b at batch 1 fp8 (150 s).
+      stage split-fold-tests 150 $PYTEST tests/kernels/test_fp8_linear_kernel.py tests/kernels/test_skinny_linear_kernel.py \
+            -k "fold"
       stage split-fold-e4b 250 $GEN e4b --batch 1 --systems gemma4opt-fp8-head gemma4opt-fp8-head-fold \
             gemma4opt-fp8-head gemma4opt-fp8-head-fold --json "$OUT/generate.jsonl"
-      stage split-fold-26b 230 $GEN 26b-a4b --batch 1 --systems gemma4opt-fp8-head gemma4opt-fp8-head-fold \
+      stage split-fold-e4b-32 200 $GEN e4b --batch 32 --systems gemma4opt gemma4opt-fold --json "$OUT/generate.jsonl"
+      stage split-fold-26b 150 $GEN 26b-a4b --batch 1 --systems gemma4opt-fp8-head gemma4opt-fp8-head-fold \
             --json "$OUT/generate.jsonl" ;;
     rows)
       # The row kernels' warps at decode: swept per kernel on three presets (one row to 32), then the e4b at batch 1

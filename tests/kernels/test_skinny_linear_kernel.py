@@ -220,3 +220,55 @@ def test_gate_up_gelu_linear_op_is_the_mlp_off_cuda():
     y = F.linear(x, w_gu)
     want = F.linear(F.gelu(y[..., :24], approximate="tanh") * y[..., 24:], w_d)
     assert torch.equal(torch.ops.gemma4opt.gate_up_gelu_linear(x, w_gu, w_d), want)
+
+
+@pytest.fixture
+def split_fold():
+    from gemma4opt.kernels import _util
+
+    yield _util
+    _util.use_split_fold(_util.SPLIT_FOLD_DEFAULT)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("swap,block_n,split", [(True, 16, 2), (True, 16, 16), (False, 16, 3), (True, 32, 8)])
+@pytest.mark.parametrize("rows,n,k,extra", [(2, 37, 300, None), (17, 33, 70, "cap"), (MAX_ROWS, 50, 130, "gelu")])
+def test_folded_split_sum_same_bits_as_its_second_launch(split_fold, dtype, swap, block_n, split, rows, n, k, extra):
+    """The last split of each N tile sums the partials in the kernel (kernels/_util.py last_split):
+    the same bits as the split-sum kernel, with the softcap epilogue or the gelu input too; N not a
+    multiple of the tile, K's chunks short or empty; the counts are left zero."""
+    g = torch.Generator().manual_seed(split + rows)
+    x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+    up = torch.randn(rows, k, generator=g).to(DEVICE, dtype) if extra == "gelu" else None
+    w = (torch.randn(n, k, generator=g) / k ** 0.5 * (30 if extra == "cap" else 1)).to(DEVICE, dtype)
+    cfg = dict(BLOCK_N=block_n, BLOCK_K=32, SPLIT_K=split, SWAP=swap)
+    outs = []
+    for fold in (False, True):
+        split_fold.use_split_fold(fold)
+        outs.append(skinny_linear_triton(x, w, cfg, cap=30.0 if extra == "cap" else None, up=up))
+    assert torch.equal(outs[0], outs[1])
+    assert not split_fold._COUNTS[outs[1].device].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [2, 32])
+def test_folded_split_sum_in_a_replayed_graph(split_fold, rows):
+    """Autotuned with the fold on (the e4b's per-layer-input gate, a narrow GEMM that splits K),
+    captured in a CUDA graph with PDL and replayed back to back: the eager call's bits every time,
+    the counts left zero."""
+    if DEVICE != "cuda":
+        pytest.skip("CUDA graphs")
+    split_fold.use_split_fold(True)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 2560, generator=g).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(256, 2560, generator=g) / 50).to(DEVICE, torch.bfloat16)
+    want = skinny_linear_triton(x, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = skinny_linear_triton(x, w)
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want) and not split_fold._COUNTS[got.device].any()
+    close(got, F.linear(x, w), torch.bfloat16)
