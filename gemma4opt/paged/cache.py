@@ -79,10 +79,12 @@ class PagedCache(Cache):
     def released(self) -> bool:
         return self._held["rows"] is None
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
         """HF's call before it may crop several tokens (assisted decoding) or its last step (the
         deferred stop check): sliding layers keep RECORD_MARGIN tokens past their window for
-        this cache's rows, so the window of what is left after a crop is still in the pages."""
+        this cache's rows, so the window of what is left after a crop is still in the pages.
+        ``recurrent_states_to_keep`` (transformers 5.25+) is for linear-attention layers' states;
+        Gemma-4 has none, so it is taken and ignored."""
         self.record_past = True
         if self.rows is not None:
             self.context.record_past(self.rows)

@@ -46,7 +46,9 @@ class PlusOneNorm(Gemma4RMSNorm):
 
     def forward(self, x):
         xf = x.float()
-        out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        # transformers renamed the norm's eps attribute (eps, then variance_epsilon in 5.25)
+        eps = self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps
+        out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
         return (out * (1.0 + self.weight.float())).type_as(x)
 
 

@@ -218,3 +218,16 @@ def test_paged_cache_crop_only_drops():
     assert [layer.get_seq_length() for layer in cache.layers] == [8, 8]
     with pytest.raises(ValueError, match="pass -n to drop the last n tokens"):
         cache.crop(2)
+
+
+def test_paged_cache_takes_hfs_past_recording_call_of_either_version():
+    """transformers <= 5.24 calls activate_past_recording(); 5.25 passes recurrent_states_to_keep
+    (for linear-attention states, which Gemma-4 has none of) and asks get_recurrent_states_to_keep()."""
+    from gemma4opt.paged.cache import PagedCache
+
+    for kwargs in ({}, {"recurrent_states_to_keep": 3}, {"recurrent_states_to_keep": None}):
+        cache = PagedCache(None, 2)
+        cache.activate_past_recording(**kwargs)
+        assert cache.record_past is True
+        if hasattr(cache, "get_recurrent_states_to_keep"):
+            assert cache.get_recurrent_states_to_keep() == 0
