@@ -118,8 +118,7 @@
 #              with fp8 weights and lm_head (200 s), the e4b in bf16 (170 s); then the 31b x 12 bf16 one-liner
 #              with its timed GEMM picks against every decode GEMM on Triton (200 s).
 #   fp8-quality-paired  bench_fp8_quality.py on the GPU: the e4b and 26b-a4b at full depth, the 31b x 12, 2048
-#              positions, KL against the anchor's paired by position (200 / 200 / 120 s). fp8-quality-26b: the
-#              26b-a4b alone, gemma4opt's fp8 weights against the anchor (220 s).
+#              positions, KL against the anchor's paired by position (200 / 200 / 120 s).
 #   split-fold  GEMM split-K tiles summed in the kernel (off by default): its GPU tests, then the e4b at batch 1 fp8
 #              (twice each, alternating), the e4b at batch 32 bf16, the 26b-a4b at batch 1 fp8, without and with it.
 #   host       profile_host.py: the host's time per decode step (2-layer e2b, and the e2b at full depth;
@@ -416,10 +415,6 @@ for s in "$@"; do
       done
       stage fp8-quality-31b 120 python3 benchmarks/bench_fp8_quality.py --preset 31b --layers 12 --batch 8 --seq 256 \
             --systems hf-finegrained-fp8 gemma4opt-fp8 gemma4opt-fp8-head --json "$OUT/fp8_quality.jsonl" ;;
-    fp8-quality-26b)
-      # The 26b-a4b at full depth alone (its anchor's experts kept in e4m3, widened one expert at a time; 220 s).
-      stage fp8-quality-26b-a4b 220 python3 benchmarks/bench_fp8_quality.py --preset 26b-a4b --batch 8 --seq 256 \
-            --systems hf-finegrained-fp8 gemma4opt-fp8 --json "$OUT/fp8_quality.jsonl" ;;
     split-fold)
       # GEMM split-K tiles summing their partials in the kernel (off by default): the fp8 and bf16 GEMMs' fold tests on
       # the GPU (150 s), then the e4b at batch 1 with fp8 weights + lm_head without and with it, twice each
@@ -504,6 +499,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, fp8-quality-26b, split-fold)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, split-fold)" ;;
   esac
 done
