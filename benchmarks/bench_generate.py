@@ -69,8 +69,9 @@ def first_divergence(out, eager_out, margins, new) -> tuple[int, float] | None:
     return int(steps[row]), float(margins[row, steps[row]])
 
 
-def measure(model, ids, new, device, repeats, **kw):
-    """(ttft_ms, ms per decode step, output ids, warm-up s); best of ``repeats`` after a warm-up."""
+def measure(model, ids, new, device, repeats, runs: list | None = None, **kw):
+    """(ttft_ms, ms per decode step, output ids, warm-up s); best of ``repeats`` after a warm-up.
+    ``runs``, where given, gets every repeat's ms per decode step (the spread the best hides)."""
     _sync(device)
     t_warm = time.perf_counter()
     _gen(model, ids, new, **kw)           # warm-up: compiles, captures graphs
@@ -89,7 +90,27 @@ def measure(model, ids, new, device, repeats, **kw):
         ttft.append((t1 - t0) * 1e3)
         total.append((t2 - t1) * 1e3)
     t_first, t_all = min(ttft), min(total)
+    if runs is not None:
+        runs.extend((t - t_first) / max(new - 1, 1) for t in total)
     return t_first, (t_all - t_first) / max(new - 1, 1), out, t_warm
+
+
+def graph_replay_ms(state, n=100) -> float | None:
+    """Device ms of one decode step alone: the CUDA graph generate replayed last, replayed ``n``
+    times back to back with nothing on the host between. Against generate's ms per step it splits
+    a step into the device's time and the host's (HF's loop, gemma4opt's step inputs) that the
+    device waits for. Replaying the last step again rewrites the same KV slot with the same values."""
+    graph = getattr(state, "last_replayed", None)
+    if graph is None:
+        return None
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
 
 
 # gemma4opt variants. "gemma4opt" is the one-liner, optimize(model) with every default (on CUDA the
@@ -144,6 +165,10 @@ def _line(row, res) -> str:
     vs_e = res["eager"]["ms_per_step"] / ms if "eager" in res else float("nan")
     vs_s = res["static_compile"]["ms_per_step"] / ms if "static_compile" in res else float("nan")
     kv = f"; KV {row['kv_mib_per_seq']:.1f} MiB/seq" if "kv_mib_per_seq" in row else ""
+    if "graph_replay_ms" in row:        # the device's time per step alone, the rest the host's
+        kv += f"; graph replay {row['graph_replay_ms']:.2f} ms"
+    if len(row.get("ms_per_step_runs", ())) > 1:
+        kv += f"; runs {'/'.join(f'{t:.2f}' for t in row['ms_per_step_runs'])}"
     return (f"{row['batch']:>5} {row['system']:>18} {row['warmup_s']:>9.1f} {row['ttft_ms']:>9.1f} {ms:>9.2f} "
             f"{row['tok_s']:>9.1f} {row['roofline_frac']:>8.0%} {vs_e:>8.2f}x {vs_s:>8.2f}x "
             f"{row['tokens_equal_eager']}   (roofline {row['roofline_ms']:.2f} ms{kv})")
@@ -181,7 +206,8 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
             roof = {b: (weight_bytes_per_step(sys_model, b) + kv_bytes_per_step(
                 sys_model, b, args.prompt + args.new // 2, kv_elem)) / args.bandwidth * 1e3 for b in args.batch}
     for b in args.batch:
-        ttft, ms, out, warm = measure(sys_model, prompts[b], args.new, args.device, args.repeats, **kw)
+        runs = []
+        ttft, ms, out, warm = measure(sys_model, prompts[b], args.new, args.device, args.repeats, runs, **kw)
         res = results[b]
         res[system] = dict(ms_per_step=ms, out=out)
         if system == "eager":
@@ -191,9 +217,13 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
                    preset=args.preset, layers=cfg.num_hidden_layers, batch=b, prompt=args.prompt, new=args.new,
                    system=system, warmup_s=warm, ttft_ms=ttft, ms_per_step=ms, tok_s=b * 1e3 / ms, roofline_ms=roof[b],
                    roofline_frac=roof[b] / ms, tokens_equal_eager=same)
+        row["ms_per_step_runs"] = runs
         state = getattr(sys_model, "_gemma4opt", None)
         if state is not None:
             row["mode"] = state.mode_reason
+            replay = graph_replay_ms(state)
+            if replay is not None:
+                row["graph_replay_ms"] = replay
         ctx = getattr(state, "context", None)
         if ctx is not None and ctx.last_kv_held[1]:       # paged: KV a sequence held at the end of generate
             row["kv_mib_per_seq"] = ctx.last_kv_held[0] / ctx.last_kv_held[1] / 2**20

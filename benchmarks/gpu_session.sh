@@ -117,6 +117,10 @@
 #   profile-layers  profile_decode.py at batch 1, PDL off, every kernel of one step in order: the 31b x 12
 #              with fp8 weights and lm_head (200 s), the e4b in bf16 (170 s); then the 31b x 12 bf16 one-liner
 #              with its timed GEMM picks against every decode GEMM on Triton (200 s).
+#   step-share  each decode step's device time alone (its CUDA graph replayed back to back) beside generate's ms per
+#              step, and every repeat's figure: the e4b at batch 1 with fp8 weights + lm_head, with the split-K fold, in
+#              bf16 (240 s); the 26b-a4b at batch 1 fp8 without and with the fold (170 s); the GPU's clocks and
+#              throttle reasons before and after.
 #   fp8-quality-paired  bench_fp8_quality.py on the GPU: the e4b and 26b-a4b at full depth, the 31b x 12, 2048
 #              positions, KL against the anchor's paired by position (200 / 200 / 120 s).
 #   split-fold  GEMM split-K tiles summed in the kernel (off by default): its GPU tests, then the e4b at batch 1 fp8
@@ -415,6 +419,14 @@ for s in "$@"; do
       done
       stage fp8-quality-31b 120 python3 benchmarks/bench_fp8_quality.py --preset 31b --layers 12 --batch 8 --seq 256 \
             --systems hf-finegrained-fp8 gemma4opt-fp8 gemma4opt-fp8-head --json "$OUT/fp8_quality.jsonl" ;;
+    step-share)
+      CLOCKS="nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu,clocks_throttle_reasons.active --format=csv"
+      stage step-share-clocks 20 $CLOCKS
+      stage step-share-e4b 240 $GEN e4b --batch 1 --repeats 3 --systems gemma4opt-fp8-head gemma4opt-fp8-head-fold \
+            gemma4opt --json "$OUT/generate.jsonl"
+      stage step-share-26b 170 $GEN 26b-a4b --batch 1 --repeats 3 --systems gemma4opt-fp8-head \
+            gemma4opt-fp8-head-fold --json "$OUT/generate.jsonl"
+      stage step-share-clocks-after 20 $CLOCKS ;;
     split-fold)
       # GEMM split-K tiles summing their partials in the kernel (off by default): the fp8 and bf16 GEMMs' fold tests on
       # the GPU (150 s), then the e4b at batch 1 with fp8 weights + lm_head without and with it, twice each

@@ -77,6 +77,7 @@ class OptimizationState:
     op_state: OpState = field(default_factory=OpState)          # per-shape picks, experts modules (ops/state.py)
     static_cache: tuple | None = None            # (key, cache) reused by generate (runtime/static_cache.py)
     graph_pool: object = None                    # CUDA graph memory pool shared by this model's decode graphs
+    last_replayed: object = None                 # the decode CUDA graph replayed last (benchmarks time it alone)
     stop_check: str = "per step (HF)"            # how generate checks for the end (runtime/stop_check.py)
     quantized: dict[str, int] = field(default_factory=dict)   # quantization="fp8": Fp8Linear swaps (report)
     shard: Shard | None = None                   # tensor_parallel: this rank's share (tensor_parallel.py)

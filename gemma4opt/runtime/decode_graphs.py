@@ -161,6 +161,7 @@ class GraphedDecode:
             cap.inputs[i].copy_(args[i], non_blocking=True)
         cap.graph.replay()
         self.state.graphed_calls += 1
+        self.state.last_replayed = cap.graph
         if self.host is None:
             return cap.outputs
         outputs = list(cap.outputs)
