@@ -69,9 +69,30 @@ def first_divergence(out, eager_out, margins, new) -> tuple[int, float] | None:
     return int(steps[row]), float(margins[row, steps[row]])
 
 
-def measure(model, ids, new, device, repeats, runs: list | None = None, **kw):
+class _CollectorTime:
+    """ms Python's garbage collector spent, and its collections by generation, while active."""
+
+    def __init__(self):
+        self.ms, self.by_gen, self._t0, self.active = 0.0, [0, 0, 0], None, False
+        gc.callbacks.append(self)
+
+    def __call__(self, phase, info):
+        if not self.active:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+            self.by_gen[info["generation"]] += 1
+
+    def close(self):
+        gc.callbacks.remove(self)
+
+
+def measure(model, ids, new, device, repeats, runs: list | None = None, collector: list | None = None, **kw):
     """(ttft_ms, ms per decode step, output ids, warm-up s); best of ``repeats`` after a warm-up.
-    ``runs``, where given, gets every repeat's ms per decode step (the spread the best hides)."""
+    ``runs``, where given, gets every repeat's ms per decode step (the spread the best hides);
+    ``collector`` the garbage collector's (ms, collections per generation) in each timed generate."""
     _sync(device)
     t_warm = time.perf_counter()
     _gen(model, ids, new, **kw)           # warm-up: compiles, captures graphs
@@ -84,9 +105,16 @@ def measure(model, ids, new, device, repeats, runs: list | None = None, **kw):
         _gen(model, ids, 1, **kw)
         _sync(device)
         t1 = time.perf_counter()
-        out = _gen(model, ids, new, **kw)
-        _sync(device)
+        gc_time = _CollectorTime()
+        gc_time.active = True
+        try:
+            out = _gen(model, ids, new, **kw)
+            _sync(device)
+        finally:
+            gc_time.close()
         t2 = time.perf_counter()
+        if collector is not None:
+            collector.append((round(gc_time.ms, 3), gc_time.by_gen))
         ttft.append((t1 - t0) * 1e3)
         total.append((t2 - t1) * 1e3)
     t_first, t_all = min(ttft), min(total)
@@ -121,6 +149,9 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      # The paged cache with FlashInfer's planned decode instead of the Triton kernel.
                      "gemma4opt-paged-fi": dict(attention="paged", decode_kernel="flashinfer"),
                      "gemma4opt-paged-auto": dict(attention="paged", decode_kernel="auto"),
+                     # Python's garbage collector left on during generate (pause_gc's share).
+                     "gemma4opt-gc": dict(pause_gc=False),
+                     "gemma4opt-fp8-head-gc": dict(quantization="fp8", quantize_lm_head=True, pause_gc=False),
                      # Every decode GEMM on cuBLAS (no decode_linear, no gate_up_gelu): the Triton GEMMs' share.
                      "gemma4opt-paged-cublas": dict(attention="paged", patterns=tuple(
                          p for p in PATTERN_NAMES if p not in ("decode_linear", "gate_up_gelu"))),
@@ -169,6 +200,8 @@ def _line(row, res) -> str:
         kv += f"; graph replay {row['graph_replay_ms']:.2f} ms"
     if len(row.get("ms_per_step_runs", ())) > 1:
         kv += f"; runs {'/'.join(f'{t:.2f}' for t in row['ms_per_step_runs'])}"
+    if any(ms for ms, _ in row.get("gc_runs", ())):     # the garbage collector inside the timed generates
+        kv += "; gc " + "/".join(f"{ms:.0f} ms {n}" for ms, n in row["gc_runs"])
     return (f"{row['batch']:>5} {row['system']:>18} {row['warmup_s']:>9.1f} {row['ttft_ms']:>9.1f} {ms:>9.2f} "
             f"{row['tok_s']:>9.1f} {row['roofline_frac']:>8.0%} {vs_e:>8.2f}x {vs_s:>8.2f}x "
             f"{row['tokens_equal_eager']}   (roofline {row['roofline_ms']:.2f} ms{kv})")
@@ -206,8 +239,9 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
             roof = {b: (weight_bytes_per_step(sys_model, b) + kv_bytes_per_step(
                 sys_model, b, args.prompt + args.new // 2, kv_elem)) / args.bandwidth * 1e3 for b in args.batch}
     for b in args.batch:
-        runs = []
-        ttft, ms, out, warm = measure(sys_model, prompts[b], args.new, args.device, args.repeats, runs, **kw)
+        runs, collector = [], []
+        ttft, ms, out, warm = measure(sys_model, prompts[b], args.new, args.device, args.repeats, runs, collector,
+                                      **kw)
         res = results[b]
         res[system] = dict(ms_per_step=ms, out=out)
         if system == "eager":
@@ -217,7 +251,7 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
                    preset=args.preset, layers=cfg.num_hidden_layers, batch=b, prompt=args.prompt, new=args.new,
                    system=system, warmup_s=warm, ttft_ms=ttft, ms_per_step=ms, tok_s=b * 1e3 / ms, roofline_ms=roof[b],
                    roofline_frac=roof[b] / ms, tokens_equal_eager=same)
-        row["ms_per_step_runs"] = runs
+        row["ms_per_step_runs"], row["gc_runs"] = runs, collector
         state = getattr(sys_model, "_gemma4opt", None)
         if state is not None:
             row["mode"] = state.mode_reason
