@@ -66,17 +66,9 @@ def split_fold_counts(t: torch.Tensor, n_tiles: int) -> torch.Tensor | None:
     folding launch leaves them zero."""
     if not _FOLD["on"] or n_tiles > MAX_TILES:
         return None
-    return zeroed_counts(t.device, "split_fold", MAX_TILES)
-
-
-def zeroed_counts(device: torch.device, name: str, size: int) -> torch.Tensor | None:
-    """The device's int32 counts of this name, zeroed once, for kernels whose last program of a
-    group resets what it counted (so each call leaves them zero and no memset is launched). Made
-    outside CUDA-graph capture only (a buffer from a capture would belong to that graph's pool):
-    None when first asked for during one."""
-    buf = _COUNTS.get((device, name))
-    if buf is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        buf = _COUNTS[(device, name)] = torch.zeros(size, dtype=torch.int32, device=device)
+    buf = _COUNTS.get(t.device)
+    if buf is None and not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        buf = _COUNTS[t.device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=t.device)
     return buf
 
 

@@ -141,8 +141,6 @@ _ROW_SUM = [(8, 2048, 4, 1, 3), (16, 512, 4, 1, 3), (8, 512, 4, 1, 3), (4, 1024,
 _DOT = [(64, 256, 4, 1, 3), (64, 256, 4, 1, 4), (128, 256, 8, 1, 4), (128, 128, 8, 1, 4), (64, 128, 4, 1, 4),
         (64, 128, 4, 2, 3), (64, 256, 4, 2, 4), (64, 128, 4, 4, 4), (64, 256, 4, 4, 3), (64, 256, 4, 4, 4)]
 MAX_SPLIT = 4
-
-
 def _configs():
     """Autotune configs, BLOCK_M among their parameters: 1 (row sum) or 16 for one row, 16 for 2-16
     rows, 32 for 17-32, each row class's set picked by the prune below from the ROWS key."""
@@ -204,7 +202,6 @@ def fp8_linear_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.T
         # Room for the most splits (a one-row dot tile may split too).
         part = torch.empty(MAX_SPLIT * M * N, dtype=torch.float32, device=x_fp8.device)
         counts = split_fold_counts(x_fp8, triton.cdiv(N, 4))       # no tile has fewer than 4 rows
-        # CNT is read only with FOLD: without counts any pointer stands in for it.
         args = (x2, xs, w_fp8, ws, y, part, counts if counts is not None else part, M, N, K, x2.stride(0),
                 w_fp8.stride(0), y.stride(0), bm)
         flags = dict(COMPILED=_COMPILED, CAP=float(cap or 0.0), FOLD=counts is not None, **pdl_flags(y))

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels._util import pdl_flags, pdl_prologue, zeroed_counts
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue
 from gemma4opt.kernels.moe_router import router_input_row, softmax_topk_store
 from gemma4opt.kernels.rms_norm import inv_rms
 
@@ -28,6 +28,7 @@ MAX_EXPERTS = 1024
 # H200 (sweeps_h200.jsonl): 5.7 / 6.4 / 9.0 us at 1 / 8 / 32 rows, against 10.3 / 10.4 / 11.0 for the three
 # launches it replaces (kernels_h200.jsonl). More rows re-read each program's expert rows per token: wider blocks.
 TILES = ((1, dict(block_e=1, warps=2)), (8, dict(block_e=4, warps=4)), (MAX_ROWS, dict(block_e=8, warps=2)))
+_COUNTS: dict = {}
 
 
 @triton.jit
@@ -63,8 +64,12 @@ def _router_decode_kernel(X, SC, WP, PES, W2, N2, LG, CNT, P, TW, TI, sx, sn, D,
 
 
 def _counts(device: torch.device) -> torch.Tensor | None:
-    """The device's zeroed counts, one per row (each call leaves them zero)."""
-    return zeroed_counts(device, "router_decode", MAX_ROWS)
+    """The device's zeroed counts (each call leaves them zero). Made outside CUDA-graph capture only:
+    a buffer from a capture would belong to that graph's memory pool."""
+    buf = _COUNTS.get(device)
+    if buf is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        buf = _COUNTS[device] = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
+    return buf
 
 
 def router_decode_supported(x: torch.Tensor, scale: torch.Tensor, proj_weight: torch.Tensor, top_k: int,

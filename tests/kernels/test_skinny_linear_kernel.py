@@ -247,7 +247,7 @@ def test_folded_split_sum_same_bits_as_its_second_launch(split_fold, dtype, swap
         split_fold.use_split_fold(fold)
         outs.append(skinny_linear_triton(x, w, cfg, cap=30.0 if extra == "cap" else None, up=up))
     assert torch.equal(outs[0], outs[1])
-    assert not split_fold.zeroed_counts(outs[1].device, "split_fold", split_fold.MAX_TILES).any()
+    assert not split_fold._COUNTS[outs[1].device].any()
 
 
 @pytest.mark.gpu
@@ -270,5 +270,5 @@ def test_folded_split_sum_in_a_replayed_graph(split_fold, rows):
     for _ in range(20):
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(got, want) and not split_fold.zeroed_counts(got.device, "split_fold", split_fold.MAX_TILES).any()
+        assert torch.equal(got, want) and not split_fold._COUNTS[got.device].any()
     close(got, F.linear(x, w), torch.bfloat16)
