@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gemma4opt  # noqa: E402
-from gemma4opt.kernels._util import (PDL_DEFAULT, SPLIT_FOLD_DEFAULT, set_decode_row_warps, set_pdl,  # noqa: E402
-                                     use_split_fold)
+from gemma4opt.kernels._util import PDL_DEFAULT, set_decode_row_warps, set_pdl  # noqa: E402
+from gemma4opt.kernels.fp8_linear import SPLIT_FOLD_DEFAULT, use_split_fold  # noqa: E402
 from gemma4opt.kernels.skinny_linear import use_tiles  # noqa: E402
 from gemma4opt.ops.state import MARGINS  # noqa: E402
 from gemma4opt.patterns import PATTERN_NAMES  # noqa: E402
@@ -177,8 +177,7 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      **{f"gemma4opt-rows{w}": dict(row_warps=w) for w in (2, 4, 8)},
                      **{f"gemma4opt-fp8-head-rows{w}": dict(quantization="fp8", quantize_lm_head=True, row_warps=w)
                         for w in (2, 4, 8)},
-                     # GEMMs whose split-K tiles sum their partials in the kernel (kernels/_util.py, FOLD).
-                     "gemma4opt-fold": dict(split_fold=True),
+                     # fp8 GEMMs whose split-K tiles sum their partials in the kernel (kernels/fp8_linear.py FOLD).
                      "gemma4opt-fp8-fold": dict(quantization="fp8", split_fold=True),
                      "gemma4opt-fp8-head-fold": dict(quantization="fp8", quantize_lm_head=True, split_fold=True),
                      "gemma4opt-fp8-kv8-head": dict(quantization="fp8", kv_cache_dtype="fp8", quantize_lm_head=True),

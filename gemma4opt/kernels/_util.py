@@ -44,54 +44,6 @@ def pdl_prologue(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-# Split-K GEMM tiles (kernels/skinny_linear.py, kernels/fp8_linear.py) summing their fp32 partials
-# in the kernel, the tile's last split to finish (an atomic count per N tile), instead of a second
-# launch: off unless turned on (GEMMA4OPT_SPLIT_FOLD=1, use_split_fold) until measured end to end.
-SPLIT_FOLD_DEFAULT = os.environ.get("GEMMA4OPT_SPLIT_FOLD") == "1"
-_FOLD = {"on": SPLIT_FOLD_DEFAULT}
-# One int32 count per N tile: 65536 covers a 262144-row lm_head in tiles of 4 rows.
-MAX_TILES = 65536
-_COUNTS: dict = {}
-
-
-def use_split_fold(on: bool) -> None:
-    """Split-K tiles sum their partials in the kernel, or in a second launch (benchmarks). The
-    autotuners key on it, so tiles tuned one way are not reused the other."""
-    _FOLD["on"] = bool(on)
-
-
-def split_fold_counts(t: torch.Tensor, n_tiles: int) -> torch.Tensor | None:
-    """The zeroed counts of t's device when folding is on and n_tiles fit, else None. Made outside
-    CUDA-graph capture only (a buffer from a capture would belong to that graph's pool); every
-    folding launch leaves them zero."""
-    if not _FOLD["on"] or n_tiles > MAX_TILES:
-        return None
-    buf = _COUNTS.get(t.device)
-    if buf is None and not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        buf = _COUNTS[t.device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=t.device)
-    return buf
-
-
-@triton.jit
-def last_split(CNT, SPLIT_K: tl.constexpr):
-    """Whether this program is the last of its N tile's SPLIT_K splits to have stored its partial
-    (as kernels/moe_router_decode.py's tail: every thread's store is issued before the count goes up,
-    the barrier; the atomic's release / acquire makes all splits' partials visible to the last one).
-    The last one must set CNT[tile] back to 0 when it is done."""
-    tl.debug_barrier()
-    done = tl.atomic_add(CNT + tl.program_id(0), 1, sem="acq_rel")
-    return done == SPLIT_K - 1
-
-
-@triton.jit
-def sum_split_partials(P, total, mo, no, M, N, omask, SPLIT_K: tl.constexpr):
-    """total + the partials P[s, mo, no] (contiguous [SPLIT_K, M, N]) added in split order, as the
-    split-sum kernels add them (same bits); read past L1, which other SMs' stores did not go through."""
-    for s in tl.static_range(SPLIT_K):
-        total += tl.load(P + (s * M + mo).to(tl.int64) * N + no, mask=omask, other=0.0, cache_modifier=".cg")
-    return total
-
-
 def rows_view(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, D] with unit stride on D (a copy only if the last dim is strided)."""
     x2 = x.reshape(-1, x.shape[-1])

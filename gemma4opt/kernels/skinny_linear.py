@@ -28,8 +28,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from gemma4opt.kernels._util import (last_split, pdl_flags, pdl_prologue, rows_view, split_fold_counts,
-                                     sum_split_partials)
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue, rows_view
 from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_rounded
 from gemma4opt.kernels.softcap import softcap_rounded
 
@@ -109,12 +108,11 @@ def _out(acc, dt, CAP: tl.constexpr):
 
 
 @triton.jit
-def _skinny_kernel(X, U, W, Y, P, CNT, M, N, K, sxm, sum_, swn, sym,
+def _skinny_kernel(X, U, W, Y, P, M, N, K, sxm, sum_, swn, sym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                    COMPILED: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
-                   CAP: tl.constexpr = 0.0, GELU: tl.constexpr = False, FOLD: tl.constexpr = False):
+                   CAP: tl.constexpr = 0.0, GELU: tl.constexpr = False):
     # GELU: the input is gelu_tanh(X) * U (X, U of one shape; row strides sxm, sum_); else U is unread.
-    # FOLD (split K only): the tile's last split sums the partials (kernels/_util.py split_fold_counts).
     pdl_prologue(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
@@ -155,13 +153,7 @@ def _skinny_kernel(X, U, W, Y, P, CNT, M, N, K, sxm, sum_, swn, sym,
         if SPLIT_K == 1:
             tl.store(Y + mo * sym + no, _out(acc, Y.dtype.element_ty, CAP), mask=(mo < M) & (no < N))
         else:           # fp32 partial of split sk: P[sk, m, n], contiguous [SPLIT_K, M, N]
-            omask = (mo < M) & (no < N)
-            tl.store(P + (sk * M + mo).to(tl.int64) * N + no, acc, mask=omask)
-            if FOLD:
-                if last_split(CNT, SPLIT_K):
-                    total = sum_split_partials(P, tl.zeros_like(acc), mo, no, M, N, omask, SPLIT_K)
-                    tl.store(Y + mo * sym + no, _out(total, Y.dtype.element_ty, CAP), mask=omask)
-                    tl.store(CNT + tl.program_id(0), 0)
+            tl.store(P + (sk * M + mo).to(tl.int64) * N + no, acc, mask=(mo < M) & (no < N))
 
 
 @triton.jit
@@ -249,7 +241,7 @@ def bench_short(fn, quantiles=None):
 def _sum_splits(nargs, exception=None):
     """Launch the split sum after a split config's kernel; as the autotuner's post-hook it runs
     inside each timed call, so a split config pays for its second kernel when configs are compared."""
-    if exception is None and nargs["SPLIT_K"] > 1 and not nargs.get("FOLD"):
+    if exception is None and nargs["SPLIT_K"] > 1:
         M, N, y = nargs["M"], nargs["N"], nargs["Y"]
         _split_sum_kernel[(M, triton.cdiv(N, 512))](nargs["P"], y, M, N, y.stride(0), SPLIT_K=nargs["SPLIT_K"],
                                                      BLOCK=512, CAP=nargs.get("CAP", 0.0), **pdl_flags(y))
@@ -268,7 +260,7 @@ def use_tiles(whole_k: bool = True, narrow: bool = True) -> None:
 
 
 _CONFIGS, _keep = tile_configs(_ROW_SUM, _DOT, _WHOLE, _DOT_NARROW)
-_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M", "FOLD"], do_bench=bench_short, post_hook=_sum_splits,
+_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M"], do_bench=bench_short, post_hook=_sum_splits,
                          prune_configs_by={"early_config_prune": _keep})(_skinny_kernel)
 
 
@@ -296,11 +288,9 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | N
         bm = 1 if M == 1 else 16 if M <= 16 else 32
         # Room for the most splits any config may take; a config with fewer uses the first ones.
         part = torch.empty(max_split(N) * M * N if bm > 1 else 1, dtype=torch.float32, device=x.device)
-        counts = split_fold_counts(x, triton.cdiv(N, 16)) if bm > 1 else None   # split tiles: 16+ rows
-        args = (x2, u2, weight, y, part, counts if counts is not None else part, M, N, K, x2.stride(0), u2.stride(0),
-                weight.stride(0), y.stride(0))
+        args = (x2, u2, weight, y, part, M, N, K, x2.stride(0), u2.stride(0), weight.stride(0), y.stride(0))
         flags = dict(BLOCK_M=bm, COMPILED=_COMPILED, IEEE=x.dtype == torch.float32, CAP=float(cap or 0.0),
-                     GELU=up is not None, FOLD=counts is not None, **pdl_flags(y))
+                     GELU=up is not None, **pdl_flags(y))
         if config is None and not _COMPILED:
             bn, split = (4, 1) if bm == 1 else (16, _INTERPRETER_SPLIT)
             config = dict(BLOCK_N=bn, BLOCK_K=32, SPLIT_K=split)
@@ -315,5 +305,5 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | N
                                  f"SWAP needs 2+ rows)")
             meta.update(SPLIT_K=split)
             _skinny_kernel[(triton.cdiv(N, meta["BLOCK_N"]), split)](*args, **meta, **flags)
-        _sum_splits(dict(P=part, Y=y, M=M, N=N, SPLIT_K=split, CAP=flags["CAP"], FOLD=flags["FOLD"]))
+        _sum_splits(dict(P=part, Y=y, M=M, N=N, SPLIT_K=split, CAP=flags["CAP"]))
     return y.view(*x.shape[:-1], N)

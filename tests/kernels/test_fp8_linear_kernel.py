@@ -132,10 +132,11 @@ def test_softcap_epilogue(rows, config):
 
 @pytest.fixture
 def split_fold():
-    from gemma4opt.kernels import _util
+    from gemma4opt.kernels import fp8_linear as k
 
-    yield _util
-    _util.use_split_fold(_util.SPLIT_FOLD_DEFAULT)
+    was = k._FOLD["on"]
+    yield k
+    k.use_split_fold(was)
 
 
 @pytest.mark.parametrize("rows,block_m,swap", [(1, 16, True), (7, None, True), (7, None, False), (32, None, True)])
@@ -154,7 +155,7 @@ def test_folded_split_sum_same_bits_as_its_second_launch(split_fold, rows, block
         split_fold.use_split_fold(fold)
         outs.append(fp8_linear_triton(xq, xs * 40 if cap else xs, wq, ws, torch.bfloat16, cfg, cap=cap))
     assert torch.equal(outs[0], outs[1])
-    assert not split_fold._COUNTS[outs[1].device].any()
+    assert not split_fold._counts(outs[1].device).any()
     if cap is None:
         close(outs[1], xq, xs, wq, ws, torch.bfloat16)
 
@@ -176,7 +177,7 @@ def test_folded_split_sum_in_a_replayed_graph(split_fold, rows):
     for _ in range(20):
         g.replay()
         torch.cuda.synchronize()
-        assert torch.equal(got, want) and not split_fold._COUNTS[got.device].any()
+        assert torch.equal(got, want) and not split_fold._counts(got.device).any()
     close(got, xq, xs, wq, ws, torch.bfloat16)
 
 
