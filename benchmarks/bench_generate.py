@@ -24,7 +24,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gemma4opt  # noqa: E402
 from gemma4opt.kernels._util import PDL_DEFAULT, set_decode_row_warps, set_pdl  # noqa: E402
-from gemma4opt.kernels.fp8_linear import SPLIT_FOLD_DEFAULT, use_split_fold  # noqa: E402
 from gemma4opt.kernels.skinny_linear import use_tiles  # noqa: E402
 from gemma4opt.ops.state import MARGINS  # noqa: E402
 from gemma4opt.patterns import PATTERN_NAMES  # noqa: E402
@@ -177,9 +176,6 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      **{f"gemma4opt-rows{w}": dict(row_warps=w) for w in (2, 4, 8)},
                      **{f"gemma4opt-fp8-head-rows{w}": dict(quantization="fp8", quantize_lm_head=True, row_warps=w)
                         for w in (2, 4, 8)},
-                     # fp8 GEMMs whose split-K tiles sum their partials in the kernel (kernels/fp8_linear.py FOLD).
-                     "gemma4opt-fp8-fold": dict(quantization="fp8", split_fold=True),
-                     "gemma4opt-fp8-head-fold": dict(quantization="fp8", quantize_lm_head=True, split_fold=True),
                      "gemma4opt-fp8-kv8-head": dict(quantization="fp8", kv_cache_dtype="fp8", quantize_lm_head=True),
                      "gemma4opt-paged-fp8": dict(attention="paged", quantization="fp8"),
                      "gemma4opt-paged-fp8-kv8": dict(attention="paged", quantization="fp8", kv_cache_dtype="fp8")}
@@ -224,7 +220,6 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         set_pdl(opts.pop("pdl", PDL_DEFAULT))      # read at each launch: off for this system's whole run
         use_tiles(opts.pop("whole_k", True), opts.pop("narrow", True))     # read when a GEMM shape is first tuned
         set_decode_row_warps(opts.pop("row_warps", None))   # read at each launch, captured with the graphs
-        use_split_fold(opts.pop("split_fold", SPLIT_FOLD_DEFAULT))      # read when a GEMM shape is first tuned
         margins = dict(MARGINS)
         MARGINS.update(opts.pop("margins", {}))     # read when optimize() makes the model's op state
         if opts.get("attention") == "paged":     # tuned: a pool for exactly this run's batches and lengths
@@ -266,7 +261,6 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         gemma4opt.report(sys_model)
         set_pdl(PDL_DEFAULT)
         set_decode_row_warps(None)
-        use_split_fold(SPLIT_FOLD_DEFAULT)
     if sys_model is not model or system == "static_compile":
         # Its copy of the weights, its KV pool or static cache and its CUDA graphs stay reachable
         # from Dynamo's caches until reset (at batch 128 x prompt 2048 the next system's prefill ran

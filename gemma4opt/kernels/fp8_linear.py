@@ -56,13 +56,11 @@ def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm,
 
 
 @triton.jit
-def _fp8_linear_kernel(X, XS, W, WS, Y, P, CNT, M, N, K, sxm, swn, sym, ROWS,
+def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr = False,
-                       PDL: tl.constexpr = False, CAP: tl.constexpr = 0.0, FOLD: tl.constexpr = False):
+                       PDL: tl.constexpr = False, CAP: tl.constexpr = 0.0):
     # ROWS (the row class: 1, 16 or 32) is not read: it keys the autotuner's choice per class.
-    # FOLD (split K only): the tile's last split to finish sums the partials (CNT: zeroed counts, one
-    # per N tile, left zero), instead of _split_sum_kernel's second launch.
     pdl_prologue(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
@@ -108,20 +106,6 @@ def _fp8_linear_kernel(X, XS, W, WS, Y, P, CNT, M, N, K, sxm, swn, sym, ROWS,
             tl.store(Y + mo * sym + no, _out(acc * xs2 * ws2, Y.dtype.element_ty, CAP), mask=omask)
         else:           # unscaled fp32 partial of split sk: P[sk, m, n], contiguous [SPLIT_K, M, N]
             tl.store(P + (sk * M + mo).to(tl.int64) * N + no, acc, mask=omask)
-            if FOLD:
-                # As kernels/moe_router_decode.py's tail: every thread's partial is stored before the
-                # count goes up (the barrier), and the atomic's release / acquire makes all splits'
-                # partials visible to the last one, which sums them in split order as
-                # _split_sum_kernel does (same bits) and sets the count back to 0.
-                tl.debug_barrier()
-                done = tl.atomic_add(CNT + tl.program_id(0), 1, sem="acq_rel")
-                if done == SPLIT_K - 1:
-                    total = tl.zeros_like(acc)
-                    for s in tl.static_range(SPLIT_K):
-                        total += tl.load(P + (s * M + mo).to(tl.int64) * N + no, mask=omask, other=0.0,
-                                         cache_modifier=".cg")
-                    tl.store(Y + mo * sym + no, _out(total * xs2 * ws2, Y.dtype.element_ty, CAP), mask=omask)
-                    tl.store(CNT + tl.program_id(0), 0)
 
 
 @triton.jit
@@ -150,28 +134,6 @@ _ROW_SUM = [(8, 2048, 4, 1, 3), (16, 512, 4, 1, 3), (8, 512, 4, 1, 3), (4, 1024,
 _DOT = [(64, 256, 4, 1, 3), (64, 256, 4, 1, 4), (128, 256, 8, 1, 4), (128, 128, 8, 1, 4), (64, 128, 4, 1, 4),
         (64, 128, 4, 2, 3), (64, 256, 4, 2, 4), (64, 128, 4, 4, 4), (64, 256, 4, 4, 3), (64, 256, 4, 4, 4)]
 MAX_SPLIT = 4
-# Folded split sums (FOLD above): off unless turned on (GEMMA4OPT_SPLIT_FOLD=1, use_split_fold) until
-# measured end to end on the GPU. The counts: one int32 per N tile, 65536 covers a 262144-row lm_head
-# in tiles of 4 rows; made zeroed per device outside any CUDA-graph capture.
-SPLIT_FOLD_DEFAULT = os.environ.get("GEMMA4OPT_SPLIT_FOLD") == "1"
-_FOLD = {"on": SPLIT_FOLD_DEFAULT}
-MAX_TILES = 65536
-_COUNTS: dict = {}
-
-
-def use_split_fold(on: bool) -> None:
-    """Split-K tiles sum their partials in the kernel (the last split of a tile) instead of a second
-    launch, or not (benchmarks). Forgets the tuned tiles, which were timed one way or the other."""
-    if _FOLD["on"] != bool(on):
-        _FOLD["on"] = bool(on)
-        _tuned.cache.clear()
-
-
-def _counts(device: torch.device) -> torch.Tensor | None:
-    buf = _COUNTS.get(device)
-    if buf is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        buf = _COUNTS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return buf
 
 
 def _configs():
@@ -193,7 +155,7 @@ def _keep(configs, named_args, **kwargs):
 def _sum_splits(nargs, exception=None):
     """The split sum after a split config's kernel (also as the autotuner's post-hook, so a split
     config pays for its second kernel when configs are compared)."""
-    if exception is None and nargs["SPLIT_K"] > 1 and not nargs.get("FOLD"):
+    if exception is None and nargs["SPLIT_K"] > 1:
         M, N, y = nargs["M"], nargs["N"], nargs["Y"]
         _split_sum_kernel[(M, triton.cdiv(N, 512))](nargs["P"], nargs["XS"], nargs["WS"], y, M, N, y.stride(0),
                                                      SPLIT_K=nargs["SPLIT_K"], BLOCK=512, CAP=nargs.get("CAP", 0.0),
@@ -234,10 +196,8 @@ def fp8_linear_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.T
                 raise ValueError(f"gemma4opt fp8_linear: BLOCK_M={bm} for {M} rows (1, 16 or 32, at least the rows)")
         # Room for the most splits (a one-row dot tile may split too).
         part = torch.empty(MAX_SPLIT * M * N, dtype=torch.float32, device=x_fp8.device)
-        counts = _counts(x_fp8.device) if _FOLD["on"] and triton.cdiv(N, 4) <= MAX_TILES else None
-        args = (x2, xs, w_fp8, ws, y, part, counts if counts is not None else part, M, N, K, x2.stride(0),
-                w_fp8.stride(0), y.stride(0), bm)
-        flags = dict(COMPILED=_COMPILED, CAP=float(cap or 0.0), FOLD=counts is not None, **pdl_flags(y))
+        args = (x2, xs, w_fp8, ws, y, part, M, N, K, x2.stride(0), w_fp8.stride(0), y.stride(0), bm)
+        flags = dict(COMPILED=_COMPILED, CAP=float(cap or 0.0), **pdl_flags(y))
         if config is None and not _COMPILED:
             bn, split = (4, 1) if bm == 1 else (16, _INTERPRETER_SPLIT)
             config = dict(BLOCK_N=bn, BLOCK_K=32, SPLIT_K=split)
@@ -252,5 +212,5 @@ def fp8_linear_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.T
                                  f"SWAP needs 2+ rows)")
             meta.update(SPLIT_K=split, BLOCK_M=bm)
             _fp8_linear_kernel[(triton.cdiv(N, meta["BLOCK_N"]), split)](*args, **meta, **flags)
-        _sum_splits(dict(P=part, XS=xs, WS=ws, Y=y, M=M, N=N, SPLIT_K=split, CAP=flags["CAP"], FOLD=flags["FOLD"]))
+        _sum_splits(dict(P=part, XS=xs, WS=ws, Y=y, M=M, N=N, SPLIT_K=split, CAP=flags["CAP"]))
     return y.view(*x_fp8.shape[:-1], N)
