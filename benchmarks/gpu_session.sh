@@ -117,14 +117,12 @@
 #   profile-layers  profile_decode.py at batch 1, PDL off, every kernel of one step in order: the 31b x 12
 #              with fp8 weights and lm_head (200 s), the e4b in bf16 (170 s); then the 31b x 12 bf16 one-liner
 #              with its timed GEMM picks against every decode GEMM on Triton (200 s).
-#   step-share  each decode step's device time alone (its CUDA graph replayed back to back) beside generate's ms per
-#              step, and every repeat's figure: the e4b at batch 1 with fp8 weights + lm_head, with the split-K fold, in
-#              bf16 (240 s); the 26b-a4b at batch 1 fp8 without and with the fold (170 s); the GPU's clocks and
-#              throttle reasons before and after.
+#   gc-pause   Python's garbage collector left on (-gc) against paused during generate (pause_gc, the default on
+#              CUDA), 5 repeats each with every repeat's ms per step, the collector's time inside them and the decode
+#              step's device time alone (its CUDA graph replayed back to back): the e4b at batch 1 with fp8 weights +
+#              lm_head and in bf16 (330 s), the 26b-a4b at batch 1 fp8 (170 s); the GPU's clocks before and after.
 #   fp8-quality-paired  bench_fp8_quality.py on the GPU: the e4b and 26b-a4b at full depth, the 31b x 12, 2048
 #              positions, KL against the anchor's paired by position (200 / 200 / 120 s).
-#   split-fold  GEMM split-K tiles summed in the kernel (off by default): its GPU tests, then the e4b at batch 1 fp8
-#              (twice each, alternating), the e4b at batch 32 bf16, the 26b-a4b at batch 1 fp8, without and with it.
 #   host       profile_host.py: the host's time per decode step (2-layer e2b, and the e2b at full depth;
 #              2-layer 26b-a4b with fp8 weights and lm_head; limits 240 / 200 s).
 #   profile    profile_decode.py on the 31b x 12, paged mode, batch 1 and 32: device time per decode
@@ -419,25 +417,14 @@ for s in "$@"; do
       done
       stage fp8-quality-31b 120 python3 benchmarks/bench_fp8_quality.py --preset 31b --layers 12 --batch 8 --seq 256 \
             --systems hf-finegrained-fp8 gemma4opt-fp8 gemma4opt-fp8-head --json "$OUT/fp8_quality.jsonl" ;;
-    step-share)
-      CLOCKS="nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu,clocks_throttle_reasons.active --format=csv"
-      stage step-share-clocks 20 $CLOCKS
-      stage step-share-e4b 240 $GEN e4b --batch 1 --repeats 3 --systems gemma4opt-fp8-head gemma4opt-fp8-head-fold \
-            gemma4opt --json "$OUT/generate.jsonl"
-      stage step-share-26b 170 $GEN 26b-a4b --batch 1 --repeats 3 --systems gemma4opt-fp8-head \
-            gemma4opt-fp8-head-fold --json "$OUT/generate.jsonl"
-      stage step-share-clocks-after 20 $CLOCKS ;;
-    split-fold)
-      # GEMM split-K tiles summing their partials in the kernel (off by default): the fp8 and bf16 GEMMs' fold tests on
-      # the GPU (150 s), then the e4b at batch 1 with fp8 weights + lm_head without and with it, twice each
-      # alternating (250 s), the e4b at batch 32 in bf16 (narrow split tiles; 200 s), the 26b-a4b at batch 1 fp8 (150 s).
-      stage split-fold-tests 150 $PYTEST tests/kernels/test_fp8_linear_kernel.py tests/kernels/test_skinny_linear_kernel.py \
-            -k "fold"
-      stage split-fold-e4b 250 $GEN e4b --batch 1 --systems gemma4opt-fp8-head gemma4opt-fp8-head-fold \
-            gemma4opt-fp8-head gemma4opt-fp8-head-fold --json "$OUT/generate.jsonl"
-      stage split-fold-e4b-32 200 $GEN e4b --batch 32 --systems gemma4opt gemma4opt-fold --json "$OUT/generate.jsonl"
-      stage split-fold-26b 150 $GEN 26b-a4b --batch 1 --systems gemma4opt-fp8-head gemma4opt-fp8-head-fold \
-            --json "$OUT/generate.jsonl" ;;
+    gc-pause)
+      CLOCKS="nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv"
+      stage gc-pause-clocks 20 $CLOCKS
+      stage gc-pause-e4b 330 $GEN e4b --batch 1 --repeats 5 --systems gemma4opt-fp8-head-gc gemma4opt-fp8-head \
+            gemma4opt-gc gemma4opt --json "$OUT/generate.jsonl"
+      stage gc-pause-26b 170 $GEN 26b-a4b --batch 1 --repeats 5 --systems gemma4opt-fp8-head-gc gemma4opt-fp8-head \
+            --json "$OUT/generate.jsonl"
+      stage gc-pause-clocks-after 20 $CLOCKS ;;
     rows)
       # The row kernels' warps at decode: swept per kernel on three presets (one row to 32), then the e4b at batch 1
       # end to end with every row kernel on 2, 4 or 8 warps against row_launch's rule (16 at its 2560 columns).
@@ -511,6 +498,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, split-fold)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, gc-pause)" ;;
   esac
 done
