@@ -122,22 +122,27 @@ def measure(model, ids, new, device, repeats, runs: list | None = None, collecto
     return t_first, (t_all - t_first) / max(new - 1, 1), out, t_warm
 
 
-def graph_replay_ms(state, n=100) -> float | None:
-    """Device ms of one decode step alone: the CUDA graph generate replayed last, replayed ``n``
-    times back to back with nothing on the host between. Against generate's ms per step it splits
-    a step into the device's time and the host's (HF's loop, gemma4opt's step inputs) that the
-    device waits for. Replaying the last step again rewrites the same KV slot with the same values."""
+def graph_replay_ms(state, n=100) -> tuple[float, float] | None:
+    """(device ms, host ms) of one decode step alone: the CUDA graph generate replayed last,
+    replayed ``n`` times back to back with nothing on the host between; the device's time per
+    replay, and the host's per launch (cudaGraphLaunch's own cost, which grows with the graph's
+    nodes; were it above the device's, the first would measure it instead). Against generate's ms
+    per step they split a step into the device's time and what the device waits for on the host.
+    Replaying the last step again rewrites the same KV slot with the same values."""
     graph = getattr(state, "last_replayed", None)
     if graph is None:
         return None
     graph.replay()
+    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    t0 = time.perf_counter()
     for _ in range(n):
         graph.replay()
+    host = (time.perf_counter() - t0) * 1e3 / n
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / n
+    return start.elapsed_time(end) / n, host
 
 
 # gemma4opt variants. "gemma4opt" is the one-liner, optimize(model) with every default (on CUDA the
@@ -148,9 +153,6 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      # The paged cache with FlashInfer's planned decode instead of the Triton kernel.
                      "gemma4opt-paged-fi": dict(attention="paged", decode_kernel="flashinfer"),
                      "gemma4opt-paged-auto": dict(attention="paged", decode_kernel="auto"),
-                     # Python's garbage collector left on during generate (pause_gc's share).
-                     "gemma4opt-gc": dict(pause_gc=False),
-                     "gemma4opt-fp8-head-gc": dict(quantization="fp8", quantize_lm_head=True, pause_gc=False),
                      # Every decode GEMM on cuBLAS (no decode_linear, no gate_up_gelu): the Triton GEMMs' share.
                      "gemma4opt-paged-cublas": dict(attention="paged", patterns=tuple(
                          p for p in PATTERN_NAMES if p not in ("decode_linear", "gate_up_gelu"))),
@@ -192,7 +194,7 @@ def _line(row, res) -> str:
     vs_s = res["static_compile"]["ms_per_step"] / ms if "static_compile" in res else float("nan")
     kv = f"; KV {row['kv_mib_per_seq']:.1f} MiB/seq" if "kv_mib_per_seq" in row else ""
     if "graph_replay_ms" in row:        # the device's time per step alone, the rest the host's
-        kv += f"; graph replay {row['graph_replay_ms']:.2f} ms"
+        kv += f"; graph replay {row['graph_replay_ms']:.2f} ms, its launch {row['graph_launch_ms']:.3f} ms on the host"
     if len(row.get("ms_per_step_runs", ())) > 1:
         kv += f"; runs {'/'.join(f'{t:.2f}' for t in row['ms_per_step_runs'])}"
     if any(ms for ms, _ in row.get("gc_runs", ())):     # the garbage collector inside the timed generates
@@ -251,7 +253,7 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
             row["mode"] = state.mode_reason
             replay = graph_replay_ms(state)
             if replay is not None:
-                row["graph_replay_ms"] = replay
+                row["graph_replay_ms"], row["graph_launch_ms"] = replay
         ctx = getattr(state, "context", None)
         if ctx is not None and ctx.last_kv_held[1]:       # paged: KV a sequence held at the end of generate
             row["kv_mib_per_seq"] = ctx.last_kv_held[0] / ctx.last_kv_held[1] / 2**20

@@ -55,7 +55,9 @@
 #   host-stacks  py-spy over profile_host.py's timed generate calls (2-layer e2b bf16, 2-layer 26b-a4b fp8): the host's
 #              functions by share of its time per decode step (200 s each; needs py-spy's wheel in .whl/).
 #   host-stacks-e4b  the same py-spy sampling over the e4b at full depth with fp8 weights and lm_head, batch 1, where
-#              generate's ms per step runs 0.9-1.5 ms over its graph's device time (limit 190 s).
+#              generate's ms per step ran 0.9-1.5 ms over its graph's device time; idle samples kept (--idle), so
+#              the host's waits (the deferred stop check's blocking event) show beside its work (limit 480 s: at
+#              190 s the warm-up under the sampler had not ended).
 #   profile-e4b-fp8  kernel by kernel, PDL off: the e4b at batch 1 with fp8 weights and lm_head (200 s), then in bf16 (170 s).
 #   profile-presets  kernel by kernel, PDL off: e4b at batch 32, e2b at 1, 26b-a4b at 8 (limits 190 / 130 / 200 s).
 #   narrow-ab-e4b, narrow-ab-26b  the skinny GEMM's narrow tiles at 2-32 rows with and without: e4b at 32,
@@ -119,10 +121,10 @@
 #   profile-layers  profile_decode.py at batch 1, PDL off, every kernel of one step in order: the 31b x 12
 #              with fp8 weights and lm_head (200 s), the e4b in bf16 (170 s); then the 31b x 12 bf16 one-liner
 #              with its timed GEMM picks against every decode GEMM on Triton (200 s).
-#   gc-pause   Python's garbage collector left on (-gc) against paused during generate (pause_gc, the default on
-#              CUDA), 5 repeats each with every repeat's ms per step, the collector's time inside them and the decode
-#              step's device time alone (its CUDA graph replayed back to back): the e4b at batch 1 with fp8 weights +
-#              lm_head and in bf16 (330 s), the 26b-a4b at batch 1 fp8 (170 s); the GPU's clocks before and after.
+#   step-share  generate's ms per step beside the decode step's device time alone (its CUDA graph replayed back to
+#              back), 5 repeats each with every repeat's figure and the garbage collector's time inside them: the e4b at
+#              batch 1 with fp8 weights + lm_head and in bf16 (330 s), the 26b-a4b at batch 1 both ways (300 s); the GPU's
+#              clocks before and after.
 #   fp8-quality-paired  bench_fp8_quality.py on the GPU: the e4b and 26b-a4b at full depth, the 31b x 12, 2048
 #              positions, KL against the anchor's paired by position (200 / 200 / 120 s).
 #   host       profile_host.py: the host's time per decode step (2-layer e2b, and the e2b at full depth;
@@ -419,14 +421,14 @@ for s in "$@"; do
       done
       stage fp8-quality-31b 120 python3 benchmarks/bench_fp8_quality.py --preset 31b --layers 12 --batch 8 --seq 256 \
             --systems hf-finegrained-fp8 gemma4opt-fp8 gemma4opt-fp8-head --json "$OUT/fp8_quality.jsonl" ;;
-    gc-pause)
+    step-share)
       CLOCKS="nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv"
-      stage gc-pause-clocks 20 $CLOCKS
-      stage gc-pause-e4b 330 $GEN e4b --batch 1 --repeats 5 --systems gemma4opt-fp8-head-gc gemma4opt-fp8-head \
-            gemma4opt-gc gemma4opt --json "$OUT/generate.jsonl"
-      stage gc-pause-26b 170 $GEN 26b-a4b --batch 1 --repeats 5 --systems gemma4opt-fp8-head-gc gemma4opt-fp8-head \
+      stage step-share-clocks 20 $CLOCKS
+      stage step-share-e4b 330 $GEN e4b --batch 1 --repeats 5 --systems gemma4opt-fp8-head gemma4opt \
             --json "$OUT/generate.jsonl"
-      stage gc-pause-clocks-after 20 $CLOCKS ;;
+      stage step-share-26b 300 $GEN 26b-a4b --batch 1 --repeats 5 --systems gemma4opt-fp8-head gemma4opt \
+            --json "$OUT/generate.jsonl"
+      stage step-share-clocks-after 20 $CLOCKS ;;
     rows)
       # The row kernels' warps at decode: swept per kernel on three presets (one row to 32), then the e4b at batch 1
       # end to end with every row kernel on 2, 4 or 8 warps against row_launch's rule (16 at its 2560 columns).
@@ -445,7 +447,7 @@ for s in "$@"; do
             python3 benchmarks/profile_host.py --preset 26b-a4b --layers 2 --quantization fp8 --quantize-lm-head --new 256
       stage host-stacks-26b-top 30 python3 benchmarks/profile_host.py --stacks "$OUT/host_26b.folded" --top 70 ;;
     host-stacks-e4b)
-      stage host-stacks-e4b 190 /tmp/site/bin/py-spy record --format raw -o "$OUT/host_e4b.folded" --rate 250 -- \
+      stage host-stacks-e4b 480 /tmp/site/bin/py-spy record --idle --format raw -o "$OUT/host_e4b.folded" --rate 250 -- \
             python3 benchmarks/profile_host.py --preset e4b --layers 42 --quantization fp8 --quantize-lm-head --new 128
       stage host-stacks-e4b-top 30 python3 benchmarks/profile_host.py --stacks "$OUT/host_e4b.folded" --top 80 ;;
     profile-e4b-fp8)
@@ -504,6 +506,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, gc-pause, host-stacks-e4b)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-stacks-e4b)" ;;
   esac
 done

@@ -29,7 +29,6 @@ from gemma4opt.paged.step import StepContext
 from gemma4opt.patterns import build_patterns
 from gemma4opt.patterns.merged_projections import MERGED_ATTR
 from gemma4opt.runtime import decode_graphs
-from gemma4opt.runtime.gc_pause import gc_paused
 from gemma4opt.runtime.static_cache import install_static_cache_reuse
 from gemma4opt.runtime.stop_check import install_deferred_stop_check
 from gemma4opt.step_inputs import cache_of, one_token_step, step_input
@@ -349,10 +348,7 @@ def _install_generate_checks(model, state, edits: InstanceEdits) -> None:
             ids = kwargs.get("inputs_embeds")
         if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] == 0:
             _no_tokens(ids)
-        if not state.config.pause_gc:
-            return original(*args, **kwargs)
-        with gc_paused():
-            return original(*args, **kwargs)
+        return original(*args, **kwargs)
 
     edits.set(model, "generate", generate)
 

@@ -68,9 +68,6 @@ class Gemma4OptConfig:
         DeferredStopCheck, which HF enables on "mps" only), so the host queues the next decode step
         while the GPU runs this one; the one extra step it may run is undone by HF. ``None`` = on
         when on CUDA; off on CPU (no device to overlap with). See runtime/stop_check.py.
-    pause_gc: pause Python's cyclic garbage collector while ``generate`` runs (restored after), so a
-        collection of the process's many objects does not stall the host loop that feeds the GPU.
-        ``None`` = on when on CUDA; off on CPU. See runtime/gc_pause.py.
     fast_replan: with the paged cache on CUDA, decode graphs' per-step FlashInfer plans skip
         FlashInfer's Python ``plan()`` and call its C++ planner directly, after checking once per
         wrapper that both leave the same data for the GPU (paged/backends/flashinfer_replan.py; off for
@@ -121,7 +118,6 @@ class Gemma4OptConfig:
     kv_pool_fraction: float | None = None
     decode_buckets: tuple[int, ...] | None = None
     deferred_stop: bool | None = None
-    pause_gc: bool | None = None
     fast_replan: bool = True
     decode_kernel: str = "triton"
     quantization: str | None = None
@@ -182,10 +178,8 @@ class Gemma4OptConfig:
         if fraction is None and self.max_batch_size is None and self.max_seq_len is None:
             fraction = DEFAULT_KV_POOL_FRACTION
         deferred = on_cuda if self.deferred_stop is None else self.deferred_stop
-        pause_gc = on_cuda if self.pause_gc is None else self.pause_gc
         return dataclasses.replace(self, attention=attention, cache=cache, inductor=inductor, cuda_graphs=graphs,
-                                   decode_buckets=buckets, deferred_stop=deferred, pause_gc=pause_gc,
-                                   max_batch_size=max_batch,
+                                   decode_buckets=buckets, deferred_stop=deferred, max_batch_size=max_batch,
                                    max_seq_len=max_seq, kv_pool_fraction=fraction)
 
 
@@ -233,7 +227,7 @@ def _check_fields(c: Gemma4OptConfig) -> None:
         if getattr(c, name) not in choices:
             fail(name, f"supported: {list(choices)}",
                  ValueError if getattr(c, name) is None or isinstance(getattr(c, name), str) else TypeError)
-    for name in ("inductor", "cuda_graphs", "deferred_stop", "pause_gc"):
+    for name in ("inductor", "cuda_graphs", "deferred_stop"):
         if getattr(c, name) is not None and not isinstance(getattr(c, name), bool):
             fail(name, "True, False or None (automatic)", TypeError)
     for name in ("fast_replan", "tensor_parallel", "quantize_lm_head"):

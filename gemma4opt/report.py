@@ -45,7 +45,6 @@ class Report:
     kv_cache: str = ""          # the paged pool's dtype and bytes per token / per sequence ("" in "hf" mode)
     weights: str = ""           # quantization="fp8": what is fp8, its bytes, and what is not
     tensor_parallel: str = ""   # tensor_parallel=True: this rank's share
-    pause_gc: bool = False      # Python's garbage collector paused while generate runs
 
     def row(self, pattern: str) -> PatternRow:
         return next(r for r in self.rows if r.pattern == pattern)
@@ -66,8 +65,6 @@ class Report:
         if self.kv_cache:
             lines.append(f"  KV cache: {self.kv_cache}")
         lines.append(f"  generate stop check: {self.stop_check}")
-        if self.pause_gc:
-            lines.append("  generate garbage collection: paused while generate runs, restored after (pause_gc)")
         if self.weights:
             lines.append(f"  weights: {self.weights}")
         if self.tensor_parallel:
@@ -122,8 +119,7 @@ def build_report(model) -> Report:
                   _decode_gemms(device, state.op_state) if dense and dense.expected else "",
                   _decode_experts(device, state.op_state) if moe and moe.expected else "",
                   state.mode_reason, bool(state.config.cuda_graphs), kv_cache=kv_cache,
-                  weights=_weights(model, state, device), tensor_parallel=_tensor_parallel(state),
-                  pause_gc=bool(state.config.pause_gc))
+                  weights=_weights(model, state, device), tensor_parallel=_tensor_parallel(state))
 
 
 def _tensor_parallel(state) -> str:

@@ -36,7 +36,6 @@ from gemma4opt import Gemma4OptConfig
     (dict(inductor="yes"), TypeError, "inductor"),
     (dict(cuda_graphs=1), TypeError, "cuda_graphs"),
     (dict(deferred_stop=0), TypeError, "deferred_stop"),
-    (dict(pause_gc="on"), TypeError, "pause_gc"),
     (dict(fast_replan=None), TypeError, "fast_replan"),
     (dict(kv_cache_dtype="fp16"), ValueError, "kv_cache_dtype"),
     (dict(kv_cache_dtype=None), ValueError, "kv_cache_dtype"),
