@@ -54,6 +54,9 @@
 #              (200 s), then the e4b at batch 1, bf16 and fp8 weights + lm_head, on 2-8 warps against the rule (400 s).
 #   host-stacks  py-spy over profile_host.py's timed generate calls (2-layer e2b bf16, 2-layer 26b-a4b fp8): the host's
 #              functions by share of its time per decode step (200 s each; needs py-spy's wheel in .whl/).
+#   host-full  the host's work alone per decode step (profile_host.py --skip-replay: graphs captured, then not replayed),
+#              2 layers and full depth: the e4b with fp8 weights + lm_head (240 s), in bf16 (200 s). With step-share's
+#              device time and launch cost it splits a batch-1 step three ways.
 #   host-stacks-e4b  the same py-spy sampling over the e4b at full depth with fp8 weights and lm_head, batch 1, where
 #              generate's ms per step ran 0.9-1.5 ms over its graph's device time; idle samples kept (--idle), so
 #              the host's waits (the deferred stop check's blocking event) show beside its work (limit 480 s: at
@@ -447,6 +450,10 @@ for s in "$@"; do
       stage host-stacks-26b 200 $SPY record --format raw -o "$OUT/host_26b.folded" --rate 500 -- \
             python3 benchmarks/profile_host.py --preset 26b-a4b --layers 2 --quantization fp8 --quantize-lm-head --new 256
       stage host-stacks-26b-top 30 python3 benchmarks/profile_host.py --stacks "$OUT/host_26b.folded" --top 70 ;;
+    host-full)
+      stage host-full-e4b-fp8 240 python3 benchmarks/profile_host.py --preset e4b --quantization fp8 --quantize-lm-head \
+            --skip-replay --full --json "$OUT/host.jsonl"
+      stage host-full-e4b 200 python3 benchmarks/profile_host.py --preset e4b --skip-replay --full --json "$OUT/host.jsonl" ;;
     host-stacks-e4b)
       stage host-stacks-e4b 480 /tmp/site/bin/py-spy record --idle --format raw -o "$OUT/host_e4b.folded" --rate 250 -- \
             python3 benchmarks/profile_host.py --preset e4b --layers 42 --quantization fp8 --quantize-lm-head --new 128
@@ -507,6 +514,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-stacks-e4b)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b)" ;;
   esac
 done

@@ -6,7 +6,10 @@ A decode step is one CUDA-graph replay, so with few layers the GPU finishes each
 the host has the next one ready: the wall time per token of a ``--layers 2`` model is the host's
 time per step, the floor under every preset's ms/token at batch 1 (HF's deferred stop check lets
 the host queue step t+1 while step t runs, so a step costs max(host, device)). ``--full`` also
-times the preset at full depth for comparison. (Not cProfile: Dynamo's frame hooks hide most of
+times the preset at full depth for comparison; with ``--skip-replay`` the captured graphs are not
+replayed after the warm-up, so any depth's ms per step is the host's work alone (Dynamo's entry over
+all the parameters included, cudaGraphLaunch's own cost not: bench_generate's ``graph_launch_ms``
+has that). (Not cProfile: Dynamo's frame hooks hide most of
 generate's frames from it; on the H200 its listing missed generate itself.)
 
 Where the host's time goes: sample the run with py-spy (a sampling profiler: it reads the stacks
@@ -18,6 +21,7 @@ from outside, Dynamo or not), then summarize its stacks of the timed generate ca
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -64,6 +68,22 @@ def _frame(frame: str) -> str:
     return f"{name} ({where.rsplit(':', 1)[0]})" if where else name
 
 
+@contextlib.contextmanager
+def replays_skipped(skip: bool):
+    """With ``skip``: every captured CUDA graph's replay a no-op (launch and device work gone, the
+    tokens then meaningless), so a full-depth model's ms per step is the host's work alone, Dynamo's
+    entry over all its parameters included, without cudaGraphLaunch's cost."""
+    if not skip or not torch.cuda.is_available():
+        yield
+        return
+    replay = torch.cuda.CUDAGraph.replay
+    torch.cuda.CUDAGraph.replay = lambda self: None
+    try:
+        yield
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
+
+
 def build(preset, layers, device, args):
     model = build_model(preset, layers, dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device)
     opts = dict(quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
@@ -83,6 +103,8 @@ def main(argv=None):
     ap.add_argument("--quantization", default=None, choices=["fp8"])
     ap.add_argument("--quantize-lm-head", action="store_true")
     ap.add_argument("--full", action="store_true", help="also time the preset at full depth")
+    ap.add_argument("--skip-replay", action="store_true",
+                    help="after the warm-up, captured decode graphs are not replayed: the host's work alone at any depth")
     ap.add_argument("--json", default=None, help="append one result row to this JSON-lines file")
     ap.add_argument("--stacks", default=None, help="only summarize this py-spy raw profile of a run of this script")
     ap.add_argument("--top", type=int, default=40)
@@ -99,17 +121,22 @@ def main(argv=None):
     _gen(model, ids, args.new)
     _sync(device)
     print(f"warm-up {time.perf_counter() - t:.1f} s", flush=True)
-    host_ms = ms_per_step(model, ids, args.new, device)
-    print(f"{args.preset} x {args.layers} layers, batch {args.batch}: {host_ms:.3f} ms per decode step "
-          f"(the host's time per step: the device's is a fraction of it)", flush=True)
+    with replays_skipped(args.skip_replay):
+        host_ms = ms_per_step(model, ids, args.new, device)
+    what = ("graphs not replayed: the host's work alone" if args.skip_replay
+            else "the host's time per step: the device's is a fraction of it")
+    print(f"{args.preset} x {args.layers} layers, batch {args.batch}: {host_ms:.3f} ms per decode step ({what})",
+          flush=True)
     row = dict(preset=args.preset, layers=args.layers, batch=args.batch, prompt=args.prompt, new=args.new,
                quantization=args.quantization, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-               host_ms_per_step=host_ms)
+               host_ms_per_step=host_ms, replay_skipped=args.skip_replay)
     if args.full:
         del model
         torch._dynamo.reset()
         full = build(args.preset, None, device, args)
-        row["full_ms_per_step"] = ms_per_step(full, ids, args.new, device)
+        _gen(full, ids, args.new)           # captures its graphs while replays still run
+        with replays_skipped(args.skip_replay):
+            row["full_ms_per_step"] = ms_per_step(full, ids, args.new, device)
         print(f"{args.preset} full depth, batch {args.batch}: {row['full_ms_per_step']:.3f} ms per decode step",
               flush=True)
     if args.json:

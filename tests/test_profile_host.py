@@ -30,3 +30,21 @@ def test_stack_summary_counts_the_timed_calls_once_per_stack(tmp_path):
     assert got["_sample (u.py)"] == (1.0, 0.0)
     assert got["f (a.py)"] == (0.75, 0.75) and got["g (b.py)"] == (0.25, 0.25)
     assert "warm (p.py)" not in got
+
+
+def test_skip_replay_is_recorded_and_restores_replay(tmp_path, monkeypatch):
+    import torch
+
+    out = tmp_path / "host.jsonl"
+    profile_host.main(["--preset", "tiny", "--layers", "2", "--prompt", "8", "--new", "4", "--skip-replay",
+                       "--json", str(out)])
+    assert json.loads(out.read_text())["replay_skipped"] is True
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: calls.append(self))
+    original = torch.cuda.CUDAGraph.replay
+    with profile_host.replays_skipped(True):
+        torch.cuda.CUDAGraph.replay("graph")
+    assert calls == [] and torch.cuda.CUDAGraph.replay is original
+    torch.cuda.CUDAGraph.replay("graph")
+    assert calls == ["graph"]
