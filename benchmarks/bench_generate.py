@@ -70,15 +70,14 @@ def first_divergence(out, eager_out, margins, new) -> tuple[int, float] | None:
 
 
 class _CollectorTime:
-    """ms Python's garbage collector spent, and its collections by generation, while active."""
+    """ms Python's garbage collector spent, and its collections by generation, from its making to
+    its close."""
 
     def __init__(self):
-        self.ms, self.by_gen, self._t0, self.active = 0.0, [0, 0, 0], None, False
+        self.ms, self.by_gen, self._t0 = 0.0, [0, 0, 0], None
         gc.callbacks.append(self)
 
     def __call__(self, phase, info):
-        if not self.active:
-            return
         if phase == "start":
             self._t0 = time.perf_counter()
         elif self._t0 is not None:
@@ -106,7 +105,6 @@ def measure(model, ids, new, device, repeats, runs: list | None = None, collecto
         _sync(device)
         t1 = time.perf_counter()
         gc_time = _CollectorTime()
-        gc_time.active = True
         try:
             out = _gen(model, ids, new, **kw)
             _sync(device)

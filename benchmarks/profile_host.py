@@ -134,7 +134,8 @@ def main(argv=None):
         del model
         torch._dynamo.reset()
         full = build(args.preset, None, device, args)
-        _gen(full, ids, args.new)           # captures its graphs while replays still run
+        if args.skip_replay:
+            _gen(full, ids, args.new)       # captures its graphs while replays still run
         with replays_skipped(args.skip_replay):
             row["full_ms_per_step"] = ms_per_step(full, ids, args.new, device)
         print(f"{args.preset} full depth, batch {args.batch}: {row['full_ms_per_step']:.3f} ms per decode step",

@@ -19,17 +19,17 @@ def test_measure_returns_every_repeat_and_the_collectors_time():
     assert not any(isinstance(cb, bench._CollectorTime) for cb in gc.callbacks), "its gc callback is removed"
 
 
-def test_collector_time_counts_collections_only_while_active():
+def test_collector_time_counts_collections_only_until_closed():
     bench = _bench()
+    gc.collect(0)                       # before it exists: not counted
     timer = bench._CollectorTime()
     try:
-        gc.collect(0)
-        assert timer.by_gen == [0, 0, 0]
-        timer.active = True
         gc.collect(1)
         assert timer.by_gen == [0, 1, 0] and timer.ms >= 0
     finally:
         timer.close()
+    gc.collect(0)
+    assert timer.by_gen == [0, 1, 0], "closed: no longer counts"
 
 
 def test_no_graph_no_replay_time():
