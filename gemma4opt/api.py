@@ -253,8 +253,14 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
         def graphs(gm, example_inputs):      # gemma4opt's decode graphs of the rewritten graph
             return decode_graphs.graphed_decode(state, target, gm, example_inputs)
 
-        state.decode_forward = torch.compile(_own_code_entry(target.forward),
-                                             backend=make_backend(state, cfg.inductor, graphs), fullgraph=True)
+        # gemma4opt's own decode graphs check the model's tensors per step more cheaply than Dynamo's
+        # guards over each of them (runtime/decode_graphs.py's doc): those guards are dropped there.
+        def compile_decode(forward=target.forward):      # HF's forward (later, target.forward is ours)
+            options = None if cfg.inductor else {"guard_filter_fn": decode_graphs.model_guards_dropped(target)}
+            return torch.compile(_own_code_entry(forward), backend=make_backend(state, cfg.inductor, graphs),
+                                 fullgraph=True, options=options)      # (torch.compile pops from options)
+
+        state.decode_forward = decode_graphs.RecompileOnModelChange(compile_decode)
     if paged:
         install_paged(model, target, state, device, dtype, edits)   # allocates the pool: may fail
 

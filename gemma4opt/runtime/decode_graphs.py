@@ -8,6 +8,15 @@ copies the per-step tensors into the captured inputs and replays: one launch per
 read back on the host. Fixed inputs are checked by address on every call, so a new cache object
 is captured anew instead of replaying over stale memory.
 
+The host's cost per step grows with the model's tensors: a full-depth e4b hands the graph over a
+thousand of them. Two checks ran over each on every step, Dynamo's guard on its metadata and this
+module's read of its address, together over 1 ms of a 3 ms host step on the H200, which then
+bounded the batch-1 step. The address check runs in C++ (cudagraph trees' own), and the decode
+compile drops Dynamo's guards on the model's own parameters and buffers (``model_guards_dropped``):
+a model tensor at a new address has its dtype, device, shape and strides compared with the traced
+ones here, and a difference recompiles (``ModelTensorsChanged``), which is what the dropped guard
+did. Within one generate nothing moves them; ``.to()`` re-optimizes the model anyway.
+
 Why not Inductor's cudagraph trees: with parameters as graph inputs, Dynamo's plain
 ``cudagraphs`` backend copies every weight into the graph each step (only AOT-lifted inputs
 count as static there) and functionalizes the in-place cache update into full-cache copies;
@@ -15,6 +24,7 @@ Inductor avoids both but compiles a real-size Gemma-4 for many minutes.
 """
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -29,11 +39,41 @@ WARMUP_CALLS = 1
 MAX_GRAPHS = 32
 
 
+_data_ptr = torch.Tensor.data_ptr
+# Cudagraph trees' check that the inputs at some indices sit at given addresses (CUDA builds only).
+_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+class ModelTensorsChanged(RuntimeError):
+    """A model parameter or buffer reached a decode graph with another dtype, device, shape or
+    strides than it was traced with: the graph must be compiled again (see the module doc)."""
+
+
+def _model_ptrs(root: torch.nn.Module) -> set[int]:
+    return {t.data_ptr() for t in (*root.parameters(), *root.buffers())}
+
+
+def model_guards_dropped(root: torch.nn.Module):
+    """Dynamo's ``guard_filter_fn`` for the decode compile: every guard kept but the tensor guards
+    on ``root``'s own parameters and buffers, which GraphedDecode checks instead (module doc)."""
+    def keep(entries):
+        own = _model_ptrs(root)
+        return [not (e.guard_type == "TENSOR_MATCH" and isinstance(e.value, torch.Tensor)
+                     and e.value.data_ptr() in own) for e in entries]
+    return keep
+
+
+def _meta(x) -> tuple | None:
+    if not isinstance(x, torch.Tensor):
+        return None
+    return x.dtype, x.device, x.shape, x.stride(), type(x)
+
+
 def _fixed_ptrs(root: torch.nn.Module, fixed) -> set[int]:
     """Addresses decode graphs may bake: the model's parameters and buffers, and the tensors its
     state lists as fixed (``gemma4opt.fixed_tensors.FixedTensors``: HF's static cache once
     allocated, the paged KV pool and tables, the staged step metadata)."""
-    return {t.data_ptr() for t in (*root.parameters(), *root.buffers())} | fixed.ptrs()
+    return _model_ptrs(root) | fixed.ptrs()
 
 
 def _is_fixed(x, fixed_ptrs: set[int]) -> bool:
@@ -104,9 +144,17 @@ class _Captured:
 class GraphedDecode:
     """Callable replacing one Dynamo graph: warm-up, capture, then replays (see module doc)."""
 
-    def __init__(self, gm, example_inputs, state, fixed_ptrs: set[int], pool=None):
+    def __init__(self, gm, example_inputs, state, fixed_ptrs: set[int], pool=None, model_ptrs: frozenset = frozenset()):
         self.gm, self.state = gm, state
         self.fixed = [i for i, x in enumerate(example_inputs) if _is_fixed(x, fixed_ptrs)]
+        self._gather = (operator.itemgetter(*self.fixed) if len(self.fixed) > 1
+                        else (lambda args, i=self.fixed[0]: (args[i],)) if self.fixed else (lambda args: ()))
+        self._last_fixed: tuple | None = None       # the fixed inputs' addresses at the last call
+        self._last_ptrs: list | None = None         # the same over every input index, for _ptrs_equal
+        # The model's tensors whose Dynamo guards the decode compile drops: their traced metadata.
+        self.model_meta = {i: _meta(example_inputs[i]) for i in self.fixed
+                           if isinstance(example_inputs[i], torch.nn.Parameter)
+                           or example_inputs[i].data_ptr() in model_ptrs}
         fixed = set(self.fixed)
         self.moving = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and i not in fixed]
         try:
@@ -127,8 +175,29 @@ class GraphedDecode:
         self.seen: dict[tuple, int] = {}
         self.last_key: tuple | None = None
 
+    def _fixed_key(self, args) -> tuple:
+        """The fixed inputs' addresses: one C++ pass comparing them with the last call's, a new
+        tuple only when one moved (then the model's tensors are checked against their traces)."""
+        last = self._last_fixed
+        if last is not None:
+            same = (_ptrs_equal(list(args), self._last_ptrs, self.fixed) if _ptrs_equal is not None
+                    else tuple(map(_data_ptr, self._gather(args))) == last)
+            if same:
+                return last
+        for i, meta in self.model_meta.items():
+            if _meta(args[i]) != meta:
+                raise ModelTensorsChanged(
+                    f"gemma4opt: decode input {i}, a model parameter or buffer traced as {meta[0]} {tuple(meta[2])} "
+                    f"on {meta[1]}, is now {_describe(args[i])}")
+        key = tuple(map(_data_ptr, self._gather(args)))
+        ptrs = [None] * len(args)
+        for i, p in zip(self.fixed, key):
+            ptrs[i] = p
+        self._last_fixed, self._last_ptrs = key, ptrs
+        return key
+
     def _key(self, args) -> tuple:
-        return (tuple(args[i].data_ptr() for i in self.fixed),
+        return (self._fixed_key(args),
                 # Not strides: generate slices its growing id/mask buffers, so strides change every
                 # step; copy_ into the captured buffers handles any layout.
                 tuple((args[i].shape, args[i].dtype) for i in self.moving),
@@ -136,6 +205,7 @@ class GraphedDecode:
 
     def __call__(self, *args):
         if self.not_graphed is not None:
+            self._fixed_key(args)       # the model tensors' check, as Dynamo's dropped guards did
             self.state.fallbacks[self.not_graphed] += 1
             return self.gm(*args)
         key = self._key(args)
@@ -195,6 +265,31 @@ class GraphedDecode:
         return _Captured(graph, {i: inputs[i] for i in self.moving}, outputs)
 
 
+def _describe(x) -> str:
+    if not isinstance(x, torch.Tensor):
+        return type(x).__name__
+    return f"{x.dtype} {tuple(x.shape)} on {x.device} (strides {x.stride()})"
+
+
+class RecompileOnModelChange:
+    """The decode forward: Dynamo's compiled function, made anew (a new code object, so a new
+    compile) when a decode graph finds a model tensor changed in a way its dropped guards would
+    have caught (``ModelTensorsChanged``)."""
+
+    def __init__(self, make):
+        self.make = make
+        self.fn = make()
+        self.recompiles = 0
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return self.fn(*args, **kwargs)
+        except ModelTensorsChanged:
+            self.fn = self.make()
+            self.recompiles += 1
+            return self.fn(*args, **kwargs)
+
+
 def _batch(args) -> int | str:
     """The batch a decode graph is captured for (its token input's shape), for progress notes."""
     ids = next((a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.long and a.dim() == 2), None)
@@ -207,4 +302,5 @@ def graphed_decode(state, root: torch.nn.Module, gm, example_inputs) -> GraphedD
     """The backend's tail for a rewritten decode graph (one graph memory pool per model)."""
     if state.graph_pool is None:
         state.graph_pool = _cuda.graph_pool_handle()
-    return GraphedDecode(gm, example_inputs, state, _fixed_ptrs(root, state.fixed), state.graph_pool)
+    return GraphedDecode(gm, example_inputs, state, _fixed_ptrs(root, state.fixed), state.graph_pool,
+                         model_ptrs=frozenset(_model_ptrs(root)))

@@ -157,21 +157,13 @@ def _cpu_capture(self, args):
     return decode_graphs._Captured(graph, inputs, outputs)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_generate_through_graphed_decode_on_cpu(monkeypatch, variant):
-    """HF generate on a static cache with decode steps going through GraphedDecode (CUDA graphs
-    stood in by replaying the graph on the captured inputs): every decode step after the first
-    two replays, and the tokens equal HF eager's."""
+def _optimize_with_cpu_graphs(monkeypatch, model):
+    """optimize() with HF's static cache and gemma4opt's decode graphs, CUDA graphs stood in."""
     import dataclasses
 
     import gemma4opt
     from gemma4opt.config import Gemma4OptConfig
 
-    model = build_model(variant)
-    ids = prompt(2, WINDOW + 3)
-    with torch.no_grad():
-        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                              cache_implementation="static")
     _patch(monkeypatch)
     monkeypatch.setattr(decode_graphs._cuda, "graph", _RecordingCapture)
     monkeypatch.setattr(decode_graphs._cuda, "graph_pool_handle", lambda: None, raising=False)
@@ -179,6 +171,19 @@ def test_generate_through_graphed_decode_on_cpu(monkeypatch, variant):
     monkeypatch.setattr(Gemma4OptConfig, "resolve", lambda self, device, *a: dataclasses.replace(
         self, attention="hf", cache="static", inductor=False, cuda_graphs=True))
     gemma4opt.optimize(model)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_generate_through_graphed_decode_on_cpu(monkeypatch, variant):
+    """HF generate on a static cache with decode steps going through GraphedDecode (CUDA graphs
+    stood in by replaying the graph on the captured inputs): every decode step after the first
+    two replays, and the tokens equal HF eager's."""
+    model = build_model(variant)
+    ids = prompt(2, WINDOW + 3)
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                              cache_implementation="static")
+    _optimize_with_cpu_graphs(monkeypatch, model)
     with torch.no_grad():
         for _ in range(2):          # a second generate reuses the cache object and its capture
             got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
@@ -206,3 +211,98 @@ def test_host_value_from_device_data_runs_eagerly_and_is_reported():
     out = runner(torch.ones(3))
     assert out[1] == 3.0 and state.graphed_calls == 0
     assert sum(state.fallbacks.values()) == 1
+
+
+def _runner_over_a_weight(monkeypatch, weight, cache):
+    gm = _traced([weight, cache, torch.zeros(4), torch.tensor(0), 0])
+    state = types.SimpleNamespace(graphed_calls=0, graph_warmups=0, graph_captures=0,
+                                  graph_key_changes=collections.Counter())
+    _patch(monkeypatch)
+    monkeypatch.setattr(decode_graphs.GraphedDecode, "_capture", _cpu_capture)
+    return decode_graphs.GraphedDecode(gm, [weight, cache, torch.zeros(4), torch.tensor(0), 0], state,
+                                       fixed_ptrs={cache.data_ptr()}, model_ptrs=frozenset({weight.data_ptr()}))
+
+
+@pytest.mark.parametrize("c_check", [False, True])
+def test_fixed_addresses_checked_against_the_last_call(monkeypatch, c_check):
+    """The fixed inputs' key is reused while every address holds (through cudagraph trees' C++
+    check where torch has it, stood in here with its contract: a list of inputs, a list of
+    addresses over every input index, the indices to compare) and rebuilt when one moves."""
+    seen = []
+
+    def ptrs_equal(tensors, ptrs, indices):
+        assert type(tensors) is list and type(ptrs) is list and len(ptrs) == len(tensors)
+        seen.append(list(indices))
+        return all(tensors[i].data_ptr() == ptrs[i] for i in indices)
+
+    monkeypatch.setattr(decode_graphs, "_ptrs_equal", ptrs_equal if c_check else None)
+    weight = torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
+    cache = torch.zeros(3, 4)
+    runner = _runner_over_a_weight(monkeypatch, weight, cache)
+    for t in range(3):
+        runner(weight, cache, torch.randn(4), torch.tensor(t), t)
+    first = runner.last_key[0]
+    assert first == (weight.data_ptr(), cache.data_ptr())
+    runner(weight, cache, torch.randn(4), torch.tensor(0), 0)
+    assert runner.last_key[0] is first, "an unchanged set of addresses is not rebuilt"
+    assert seen == ([[0, 1]] * 3 if c_check else []), seen
+    moved = torch.zeros(3, 4)
+    runner(weight, moved, torch.randn(4), torch.tensor(0), 0)
+    assert runner.last_key[0] == (weight.data_ptr(), moved.data_ptr())
+
+
+def test_model_tensor_with_other_metadata_raises_model_tensors_changed(monkeypatch):
+    """A model tensor at a new address with the traced dtype, shape and strides is captured anew
+    (as a new cache is); with other strides or dtype the graph must be compiled again."""
+    weight = torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
+    cache = torch.zeros(3, 4)
+    runner = _runner_over_a_weight(monkeypatch, weight, cache)
+    for t in range(3):
+        runner(weight, cache, torch.randn(4), torch.tensor(t), t)
+    same_meta = torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
+    for t in range(3):
+        runner(same_meta, cache, torch.randn(4), torch.tensor(t), t)
+    assert runner.state.graph_captures == 2
+    transposed = torch.nn.Parameter(weight.detach().t().contiguous().t(), requires_grad=False)
+    with pytest.raises(decode_graphs.ModelTensorsChanged, match=r"decode input 0.*strides \(1, 4\)"):
+        runner(transposed, cache, torch.randn(4), torch.tensor(0), 0)
+    with pytest.raises(decode_graphs.ModelTensorsChanged, match="float64"):
+        runner(weight.double(), cache, torch.randn(4), torch.tensor(0), 0)
+
+
+def test_guard_filter_drops_only_the_model_tensors_guards():
+    model = torch.nn.Linear(3, 3)
+    other = torch.zeros(3)
+    keep = decode_graphs.model_guards_dropped(model)
+
+    def entry(kind, value):
+        return types.SimpleNamespace(guard_type=kind, value=value)
+
+    got = keep([entry("TENSOR_MATCH", model.weight), entry("TENSOR_MATCH", model.bias), entry("TENSOR_MATCH", other),
+                entry("ID_MATCH", model.weight), entry("GRAD_MODE", None), entry("TENSOR_MATCH", None)])
+    assert got == [False, False, True, True, True, True]
+
+
+def test_a_model_tensor_restrided_after_generate_recompiles_and_tokens_still_match(monkeypatch):
+    """Dynamo's guards on the model's tensors are dropped from the decode compile: a norm weight
+    given other strides (same values) must reach a new compile through GraphedDecode's check (one
+    recompile counted), and greedy tokens must still equal HF eager's."""
+    model = build_model("tiny")
+    ids = prompt(1, 9)
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                              cache_implementation="static")
+    _optimize_with_cpu_graphs(monkeypatch, model)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                                          do_sample=False), want)
+    forward = model._gemma4opt.decode_forward
+    assert forward.recompiles == 0
+    norm = model.model.layers[0].input_layernorm.weight
+    strided = torch.empty(2 * norm.numel(), dtype=norm.dtype)[::2]
+    strided.copy_(norm.detach())
+    norm.data = strided
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+    assert forward.recompiles == 1
