@@ -61,6 +61,9 @@
 #              generate's ms per step ran 0.9-1.5 ms over its graph's device time; idle samples kept (--idle), so
 #              the host's waits (the deferred stop check's blocking event) show beside its work (limit 480 s: at
 #              190 s the warm-up under the sampler had not ended).
+#   host-guards  the host's work alone per decode step of the e4b at full depth in bf16 (profile_host.py --skip-replay):
+#              this checkout, then with Dynamo's guards not evaluated on decode steps (--skip-guards: what they cost),
+#              then .baseline's checkout where carried (limits 150 / 130 / 130 s).
 #   profile-e4b-fp8  kernel by kernel, PDL off: the e4b at batch 1 with fp8 weights and lm_head (200 s), then in bf16 (170 s).
 #   profile-presets  kernel by kernel, PDL off: e4b at batch 32, e2b at 1, 26b-a4b at 8 (limits 190 / 130 / 200 s).
 #   narrow-ab-e4b, narrow-ab-26b  the skinny GEMM's narrow tiles at 2-32 rows with and without: e4b at 32,
@@ -454,6 +457,14 @@ for s in "$@"; do
       stage host-full-e4b-fp8 240 python3 benchmarks/profile_host.py --preset e4b --quantization fp8 --quantize-lm-head \
             --skip-replay --full --json "$OUT/host.jsonl"
       stage host-full-e4b 200 python3 benchmarks/profile_host.py --preset e4b --skip-replay --full --json "$OUT/host.jsonl" ;;
+    host-guards)
+      HOST="python3 benchmarks/profile_host.py --preset e4b --layers 42 --skip-replay"
+      stage host-guards 150 $HOST --json "$OUT/host.jsonl"
+      stage host-guards-skipped 130 $HOST --skip-guards --json "$OUT/host.jsonl"
+      if [ -d .baseline/gemma4opt ]; then
+        (cd .baseline && export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} &&
+          stage host-guards-baseline 130 $HOST --json "$OUT/host_baseline.jsonl")
+      fi ;;
     host-stacks-e4b)
       stage host-stacks-e4b 480 /tmp/site/bin/py-spy record --idle --format raw -o "$OUT/host_e4b.folded" --rate 250 -- \
             python3 benchmarks/profile_host.py --preset e4b --layers 42 --quantization fp8 --quantize-lm-head --new 128
@@ -514,6 +525,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b, host-guards)" ;;
   esac
 done

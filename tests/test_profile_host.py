@@ -48,3 +48,23 @@ def test_skip_replay_is_recorded_and_restores_replay(tmp_path, monkeypatch):
     assert calls == [] and torch.cuda.CUDAGraph.replay is original
     torch.cuda.CUDAGraph.replay("graph")
     assert calls == ["graph"]
+
+
+def test_skip_guards_wraps_decode_steps_only_while_timed():
+    import types
+
+    import torch._dynamo.eval_frame as eval_frame
+
+    seen = []
+
+    def decode(*args, **kwargs):
+        seen.append(eval_frame._stance.skip_guard_eval_unsafe)
+        return args, kwargs
+
+    model = types.SimpleNamespace(_gemma4opt=types.SimpleNamespace(decode_forward=decode))
+    with profile_host.guards_skipped(model, True):
+        assert model._gemma4opt.decode_forward(1, k=2) == ((1,), {"k": 2})
+    assert seen == [True] and eval_frame._stance.skip_guard_eval_unsafe is False
+    assert model._gemma4opt.decode_forward is decode
+    with profile_host.guards_skipped(model, False):
+        assert model._gemma4opt.decode_forward is decode
