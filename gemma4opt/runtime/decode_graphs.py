@@ -187,6 +187,7 @@ class GraphedDecode:
                 return last
         for i, meta in self.model_meta.items():
             if _meta(args[i]) != meta:
+                self.state.graph_key_changes[f"model tensor {i} of other dtype, shape or strides (compiled again)"] += 1
                 raise ModelTensorsChanged(
                     f"gemma4opt: decode input {i}, a model parameter or buffer traced as {meta[0]} {tuple(meta[2])} "
                     f"on {meta[1]}, is now {_describe(args[i])}")

@@ -286,7 +286,9 @@ def test_guard_filter_drops_only_the_model_tensors_guards():
 def test_a_model_tensor_restrided_after_generate_recompiles_and_tokens_still_match(monkeypatch):
     """Dynamo's guards on the model's tensors are dropped from the decode compile: a norm weight
     given other strides (same values) must reach a new compile through GraphedDecode's check (one
-    recompile counted), and greedy tokens must still equal HF eager's."""
+    recompile counted, and listed in the report), and greedy tokens must still equal HF eager's."""
+    import gemma4opt
+
     model = build_model("tiny")
     ids = prompt(1, 9)
     with torch.no_grad():
@@ -306,3 +308,4 @@ def test_a_model_tensor_restrided_after_generate_recompiles_and_tokens_still_mat
         got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
     assert torch.equal(got, want)
     assert forward.recompiles == 1
+    assert "(compiled again): 1" in str(gemma4opt.report(model, print_table=False))
