@@ -121,3 +121,24 @@ def test_deferred_stop_check_equals_eager_when_eos_stops_early(attention):
             assert torch.equal(got, want) and got.shape[1] < 12 + 24
             assert got_stream.got == want_stream.got
         assert torch.equal(_gen(model, ids, 24), free)   # and max_new_tokens still stops exactly
+
+
+def test_decode_graphs_check_addresses_in_cpp_and_recompile_on_a_restrided_weight():
+    """On CUDA builds the fixed inputs' addresses are compared by torch's C++ check; Dynamo's
+    guards on the model's tensors being dropped from the decode compile, a norm weight given other
+    strides (same values) after a generate must still give the same tokens, through one recompile
+    that the report lists."""
+    from gemma4opt.runtime import decode_graphs
+
+    assert decode_graphs._ptrs_equal is not None
+    model = build_model("tiny", device="cuda")
+    gemma4opt.optimize(model)
+    ids = prompt(2, 12).cuda()
+    want = _gen(model, ids, 12)
+    norm = model.model.layers[0].input_layernorm.weight
+    strided = torch.empty(2 * norm.numel(), dtype=norm.dtype, device=norm.device)[::2]
+    strided.copy_(norm.detach())
+    norm.data = strided
+    assert torch.equal(_gen(model, ids, 12), want)
+    assert model._gemma4opt.decode_forward.recompiles == 1
+    assert "(compiled again): 1" in str(gemma4opt.report(model, print_table=False))
