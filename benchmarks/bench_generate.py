@@ -28,7 +28,6 @@ from gemma4opt.kernels.skinny_linear import use_tiles  # noqa: E402
 from gemma4opt.ops.state import MARGINS  # noqa: E402
 from gemma4opt.patterns import PATTERN_NAMES  # noqa: E402
 from gemma4opt.presets import ALL_PRESETS, build_model  # noqa: E402
-from gemma4opt.runtime.stop_check import set_spin_wait  # noqa: E402
 from roofline import copy_bandwidth, kv_bytes_per_step, weight_bytes_per_step  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -172,9 +171,6 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      "gemma4opt-fp8-kv8": dict(quantization="fp8", kv_cache_dtype="fp8"),
                      # And the lm_head in fp8 (an fp8 copy beside the tied bf16 embedding table).
                      "gemma4opt-fp8-head": dict(quantization="fp8", quantize_lm_head=True),
-                     # The deferred stop check's host waits spinning, not sleeping on HF's blocking events.
-                     "gemma4opt-spin": dict(spin_wait=True),
-                     "gemma4opt-fp8-head-spin": dict(quantization="fp8", quantize_lm_head=True, spin_wait=True),
                      # Every row kernel (norms, their fused quantization, norm_add) at decode on N warps a
                      # program, instead of row_launch's rule (up to one per 256 columns).
                      **{f"gemma4opt-rows{w}": dict(row_warps=w) for w in (2, 4, 8)},
@@ -222,7 +218,6 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         sys_model = model if i == len(args.systems) - 1 else copy.deepcopy(model)
         opts = dict(GEMMA4OPT_SYSTEMS[system])
         set_pdl(opts.pop("pdl", PDL_DEFAULT))      # read at each launch: off for this system's whole run
-        set_spin_wait(opts.pop("spin_wait", False))     # read when generate makes its stop check
         use_tiles(opts.pop("whole_k", True), opts.pop("narrow", True))     # read when a GEMM shape is first tuned
         set_decode_row_warps(opts.pop("row_warps", None))   # read at each launch, captured with the graphs
         margins = dict(MARGINS)
@@ -265,7 +260,6 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
     if system in GEMMA4OPT_SYSTEMS:
         gemma4opt.report(sys_model)
         set_pdl(PDL_DEFAULT)
-        set_spin_wait(False)
         set_decode_row_warps(None)
     if sys_model is not model or system == "static_compile":
         # Its copy of the weights, its KV pool or static cache and its CUDA graphs stay reachable

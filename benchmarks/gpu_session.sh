@@ -129,9 +129,8 @@
 #              with its timed GEMM picks against every decode GEMM on Triton (200 s).
 #   step-share  generate's ms per step beside the decode step's device time alone (its CUDA graph replayed back to
 #              back) and its launch's host time, 5 repeats each with every repeat's figure and the garbage collector's
-#              time inside them, each system also with the stop check's host wait spinning (-spin): the e4b at batch 1
-#              with fp8 weights + lm_head and in bf16 (330 s), the 26b-a4b at batch 1 fp8 (200 s); the GPU's clocks
-#              before and after.
+#              time inside them: the e4b at batch 1 with fp8 weights + lm_head and in bf16 (330 s), the 26b-a4b at
+#              batch 1 fp8 (200 s); the GPU's clocks before and after.
 #   fp8-quality-paired  bench_fp8_quality.py on the GPU: the e4b and 26b-a4b at full depth, the 31b x 12, 2048
 #              positions, KL against the anchor's paired by position (200 / 200 / 120 s).
 #   host       profile_host.py: the host's time per decode step (2-layer e2b, and the e2b at full depth;
@@ -431,9 +430,9 @@ for s in "$@"; do
     step-share)
       CLOCKS="nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv"
       stage step-share-clocks 20 $CLOCKS
-      stage step-share-e4b 330 $GEN e4b --batch 1 --repeats 5 --systems gemma4opt-fp8-head gemma4opt-fp8-head-spin \
-            gemma4opt gemma4opt-spin --json "$OUT/generate.jsonl"
-      stage step-share-26b 200 $GEN 26b-a4b --batch 1 --repeats 5 --systems gemma4opt-fp8-head-spin gemma4opt-fp8-head \
+      stage step-share-e4b 330 $GEN e4b --batch 1 --repeats 5 --systems gemma4opt-fp8-head gemma4opt \
+            --json "$OUT/generate.jsonl"
+      stage step-share-26b 200 $GEN 26b-a4b --batch 1 --repeats 5 --systems gemma4opt-fp8-head \
             --json "$OUT/generate.jsonl"
       stage step-share-clocks-after 20 $CLOCKS ;;
     rows)

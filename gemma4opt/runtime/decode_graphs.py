@@ -25,7 +25,6 @@ Inductor avoids both but compiles a real-size Gemma-4 for many minutes.
 """
 from __future__ import annotations
 
-import operator
 import warnings
 
 import torch
@@ -40,7 +39,6 @@ WARMUP_CALLS = 1
 MAX_GRAPHS = 32
 
 
-_data_ptr = torch.Tensor.data_ptr
 # Cudagraph trees' check that the inputs at some indices sit at given addresses (CUDA builds only).
 _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
@@ -68,13 +66,6 @@ def _meta(x) -> tuple | None:
     if not isinstance(x, torch.Tensor):
         return None
     return x.dtype, x.device, x.shape, x.stride(), type(x)
-
-
-def _fixed_ptrs(root: torch.nn.Module, fixed) -> set[int]:
-    """Addresses decode graphs may bake: the model's parameters and buffers, and the tensors its
-    state lists as fixed (``gemma4opt.fixed_tensors.FixedTensors``: HF's static cache once
-    allocated, the paged KV pool and tables, the staged step metadata)."""
-    return _model_ptrs(root) | fixed.ptrs()
 
 
 def _is_fixed(x, fixed_ptrs: set[int]) -> bool:
@@ -148,8 +139,6 @@ class GraphedDecode:
     def __init__(self, gm, example_inputs, state, fixed_ptrs: set[int], pool=None, model_ptrs: frozenset = frozenset()):
         self.gm, self.state = gm, state
         self.fixed = [i for i, x in enumerate(example_inputs) if _is_fixed(x, fixed_ptrs)]
-        self._gather = (operator.itemgetter(*self.fixed) if len(self.fixed) > 1
-                        else (lambda args, i=self.fixed[0]: (args[i],)) if self.fixed else (lambda args: ()))
         self._last_fixed: tuple | None = None       # the fixed inputs' addresses at the last call
         self._last_ptrs: list | None = None         # the same over every input index, for _ptrs_equal
         # The model's tensors whose Dynamo guards the decode compile drops: their traced metadata.
@@ -180,18 +169,17 @@ class GraphedDecode:
         """The fixed inputs' addresses: one C++ pass comparing them with the last call's, a new
         tuple only when one moved (then the model's tensors are checked against their traces)."""
         last = self._last_fixed
-        if last is not None:
-            same = (_ptrs_equal(list(args), self._last_ptrs, self.fixed) if _ptrs_equal is not None
-                    else tuple(map(_data_ptr, self._gather(args))) == last)
-            if same:
-                return last
+        if last is not None and _ptrs_equal is not None and _ptrs_equal(list(args), self._last_ptrs, self.fixed):
+            return last
+        key = tuple(args[i].data_ptr() for i in self.fixed)
+        if key == last:
+            return last
         for i, meta in self.model_meta.items():
             if _meta(args[i]) != meta:
                 self.state.graph_key_changes[f"model tensor {i} of other dtype, shape or strides (compiled again)"] += 1
                 raise ModelTensorsChanged(
                     f"gemma4opt: decode input {i}, a model parameter or buffer traced as {meta[0]} {tuple(meta[2])} "
                     f"on {meta[1]}, is now {_describe(args[i])}")
-        key = tuple(map(_data_ptr, self._gather(args)))
         ptrs = [None] * len(args)
         for i, p in zip(self.fixed, key):
             ptrs[i] = p
@@ -304,5 +292,8 @@ def graphed_decode(state, root: torch.nn.Module, gm, example_inputs) -> GraphedD
     """The backend's tail for a rewritten decode graph (one graph memory pool per model)."""
     if state.graph_pool is None:
         state.graph_pool = _cuda.graph_pool_handle()
-    return GraphedDecode(gm, example_inputs, state, _fixed_ptrs(root, state.fixed), state.graph_pool,
-                         model_ptrs=frozenset(_model_ptrs(root)))
+    # Addresses a graph may bake: the model's parameters and buffers, and the tensors its state lists
+    # as fixed (``gemma4opt.fixed_tensors.FixedTensors``: HF's static cache once allocated, the paged
+    # KV pool and tables, the staged step metadata).
+    own = frozenset(_model_ptrs(root))
+    return GraphedDecode(gm, example_inputs, state, own | state.fixed.ptrs(), state.graph_pool, model_ptrs=own)

@@ -27,25 +27,6 @@ import torch
 from gemma4opt.step_inputs import generation_config_of
 
 
-# How the host waits for step t-1's flag: HF's events are blocking (the thread sleeps until the GPU
-# signals, then wakes); spinning (events made without blocking=True) wakes at once and holds a core
-# while it waits. Off: HF's events, until an A/B on the GPU says otherwise (bench system -spin).
-_SPIN = {"on": False}
-
-
-def set_spin_wait(on: bool) -> None:
-    """Read when generate makes its stop check."""
-    _SPIN["on"] = bool(on)
-
-
-def _spinning(slots, device):
-    """HF's (flag, tokens, event) slots with the event replaced by a spinning one; the slots
-    unchanged where their layout is not that (another transformers)."""
-    if not all(isinstance(s, tuple) and s and isinstance(s[-1], torch.Event) for s in slots):
-        return slots
-    return type(slots)((*s[:-1], torch.Event(device=device)) for s in slots)
-
-
 def _stop_check_class():
     try:
         from transformers.generation import utils
@@ -65,11 +46,6 @@ def deferred_sample():
         return None
 
     class CudaDeferredStopCheck(cls):
-        def __init__(self, input_ids, *args, **kwargs):
-            super().__init__(input_ids, *args, **kwargs)
-            if _SPIN["on"] and input_ids.device.type == "cuda" and hasattr(self, "slots"):
-                self.slots = _spinning(self.slots, input_ids.device)
-
         @staticmethod
         def is_supported(device, cache, cache_is_returned, is_assistant):
             device = torch.device(device)

@@ -231,26 +231,3 @@ def test_paged_cache_takes_hfs_past_recording_call_of_either_version():
         assert cache.record_past is True
         if hasattr(cache, "get_recurrent_states_to_keep"):
             assert cache.get_recurrent_states_to_keep() == 0
-
-
-def test_spinning_events_replace_hfs_blocking_ones_only_in_its_slot_layout(monkeypatch):
-    """set_spin_wait (off by default; an A/B switch): HF's (flag, tokens, blocking event) slots get
-    events made without blocking=True; slots of another layout stay as they are."""
-    from collections import deque
-
-    made = []
-
-    class _Made(_Event):
-        def __init__(self, *a, **k):
-            made.append(k)
-
-    monkeypatch.setattr(torch, "Event", _Made)
-    flag, tokens = torch.zeros((), dtype=torch.bool), torch.zeros(2, dtype=torch.long)
-    slots = deque((flag, tokens, torch.Event(device="cuda", blocking=True)) for _ in range(2))
-    made.clear()
-    spun = stop_check._spinning(slots, "cuda")
-    assert isinstance(spun, deque) and len(spun) == 2 and made == [dict(device="cuda")] * 2
-    assert all(s[0] is flag and s[1] is tokens and s[2] is not o[2] for s, o in zip(spun, slots))
-    other = deque([(flag, tokens)])
-    assert stop_check._spinning(other, "cuda") is other
-    assert stop_check._SPIN["on"] is False, "HF's blocking events unless a benchmark asks"
