@@ -29,6 +29,7 @@ from gemma4opt.paged.step import StepContext
 from gemma4opt.patterns import build_patterns
 from gemma4opt.patterns.merged_projections import MERGED_ATTR
 from gemma4opt.runtime import decode_graphs
+from gemma4opt.runtime.direct_decode import DirectDecode
 from gemma4opt.runtime.static_cache import install_static_cache_reuse
 from gemma4opt.runtime.stop_check import install_deferred_stop_check
 from gemma4opt.step_inputs import cache_of, one_token_step, step_input
@@ -71,6 +72,8 @@ class OptimizationState:
     compiled_forward: Callable | None = None     # any call: prefill, or decode on a dynamic cache
     hf_forward: Callable | None = None           # paged mode: calls without a paged cache (HF attention)
     decode_forward: Callable | None = None       # decode steps as CUDA graphs (static or paged cache)
+    direct: DirectDecode | None = None           # paged decode steps that skip Dynamo's entry (runtime/direct_decode.py)
+    last_decode_call: tuple | None = None        # (graph, inputs, outputs) of the last replay, for ``direct``
     # Runtime.
     context: StepContext | None = None           # the paged KV pool and step (attention="paged")
     fixed: FixedTensors = field(default_factory=FixedTensors)   # addresses decode graphs may bake

@@ -72,6 +72,15 @@ class Gemma4OptConfig:
         FlashInfer's Python ``plan()`` and call its C++ planner directly, after checking once per
         wrapper that both leave the same data for the GPU (paged/backends/flashinfer_replan.py; off for
         that wrapper, and counted in the report, if not).
+    direct_decode: with the paged cache and cuda_graphs, a generate call's decode steps, once one
+        has replayed a captured graph, call that graph without passing through Dynamo's entry (its
+        guards over every module and weight, and its gathering of the graph's inputs: most of the
+        host's time per step on a deep model). Each step still checks what can differ between
+        steps: the call's arguments, torch's global state, the step metadata's addresses and shapes;
+        anything else goes through Dynamo. The model, its config and hooks must not be changed
+        while a generate call runs (from a logits processor, stopping criterion or streamer):
+        such a change is seen from the next generate call on. ``False``: every step enters Dynamo.
+        See runtime/direct_decode.py.
     decode_kernel: with the paged cache on CUDA, the attention kernel of decode steps. "triton":
         gemma4opt's split-KV kernel (kernels/paged_decode.py), which reads a device copy of the page
         table and needs no per-step host plan; a geometry it does not support uses FlashInfer.
@@ -119,6 +128,7 @@ class Gemma4OptConfig:
     decode_buckets: tuple[int, ...] | None = None
     deferred_stop: bool | None = None
     fast_replan: bool = True
+    direct_decode: bool = True
     decode_kernel: str = "triton"
     quantization: str | None = None
     quantize_lm_head: bool = False
@@ -230,7 +240,7 @@ def _check_fields(c: Gemma4OptConfig) -> None:
     for name in ("inductor", "cuda_graphs", "deferred_stop"):
         if getattr(c, name) is not None and not isinstance(getattr(c, name), bool):
             fail(name, "True, False or None (automatic)", TypeError)
-    for name in ("fast_replan", "tensor_parallel", "quantize_lm_head"):
+    for name in ("fast_replan", "direct_decode", "tensor_parallel", "quantize_lm_head"):
         if not isinstance(getattr(c, name), bool):
             fail(name, "True or False", TypeError)
     if c.quantize_lm_head and c.quantization != "fp8":

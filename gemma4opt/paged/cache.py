@@ -3,6 +3,12 @@ Each cache holds rows of the model's page tables until it is released (or garbag
 
 HF only needs lengths from it (positions, generate's bookkeeping); the KV itself is written by
 gemma4opt.kv_append and read by the attention backends' ops (paged/backends/) through the model's StepContext.
+
+The lengths advance once per forward, after it returns (``PagedCache.advance``, called by
+paged/forward.py), not in ``update`` inside the compiled forward: a count stored there is a side
+effect Dynamo's code replays after every step, and a decode step without side effects can skip
+Dynamo's entry (runtime/direct_decode.py). Nothing reads the count between ``update`` and the end of the
+forward, so what HF sees is the same.
 """
 from __future__ import annotations
 
@@ -25,8 +31,7 @@ class PagedLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        self.cumulative_length += key_states.shape[-2]
-        return key_states, value_states
+        return key_states, value_states         # counted by PagedCache.advance (module doc)
 
     def get_mask_sizes(self, *args, **kwargs):
         # Masks are not built with a paged cache (attention reads page tables); sizes for completeness.
@@ -61,6 +66,9 @@ class PagedCache(Cache):
     def __init__(self, context, num_layers: int):
         super().__init__(layers=[PagedLayer() for _ in range(num_layers)])
         self.context = context
+        # The layers HF calls ``update`` on (those owning KV; KV-shared layers stay at 0, as in HF).
+        owners = getattr(context, "updating_layers", None)
+        self._counted = [self.layers[i] for i in (range(num_layers) if owners is None else owners)]
         # The rows live in a holder the finalizer shares (it must not hold the cache itself).
         self._held = {"rows": None}
         self._finalizer = weakref.finalize(self, _release_when_collected, context, self._held)
@@ -78,6 +86,11 @@ class PagedCache(Cache):
     @property
     def released(self) -> bool:
         return self._held["rows"] is None
+
+    def advance(self, tokens: int) -> None:
+        """A forward of ``tokens`` tokens per sequence ran: the count ``update`` keeps in HF's caches."""
+        for layer in self._counted:
+            layer.cumulative_length += tokens
 
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
         """HF's call before it may crop several tokens (assisted decoding) or its last step (the

@@ -24,7 +24,9 @@ def paged_forward(state, args, kwargs, begin: bool):
         keep = keep_all_for_shared_layers(state, args, kwargs)
         state.compiled_calls += 1
         out = state.compiled_forward(*args, **kwargs)
-        return out if keep is None else cut_logits(out, *step_input(args, kwargs).shape[:2], keep)
+        x = step_input(args, kwargs)
+        cache_of(kwargs).advance(x.shape[1])
+        return out if keep is None else cut_logits(out, *x.shape[:2], keep)
 
 
 def is_paged(cache) -> bool:
@@ -99,10 +101,17 @@ def paged_decode_step(state, args, kwargs):
             padded[:batch] = t
             kwargs[name] = padded
     state.compiled_calls += 1
-    out = state.decode_forward(**kwargs)
+    out = decode_call(state, kwargs)
+    cache.advance(1)
     if bucket > batch:
         out.logits = out.logits[:batch]
     return out
+
+
+def decode_call(state, kwargs):
+    """A graphed step: directly when a plan of this generate call holds (runtime/direct_decode.py),
+    else through Dynamo's entry."""
+    return state.direct(kwargs) if state.direct is not None else state.decode_forward(**kwargs)
 
 
 def _token_step(state, ctx, cache, kwargs, batch: int, tokens: int):
@@ -134,7 +143,9 @@ def _token_step(state, ctx, cache, kwargs, batch: int, tokens: int):
             kwargs[name] = torch.cat([t, t[-1] + torch.arange(1, padded - tokens + 1, device=t.device, dtype=t.dtype)])
     kwargs["logits_to_keep"] = 0               # padding tokens come last: keep all, cut below
     state.compiled_calls += 1
-    return cut_logits(state.decode_forward(**kwargs), batch, tokens, keep)
+    out = decode_call(state, kwargs)
+    cache.advance(padded)                      # what HF's update counted: the padded step
+    return cut_logits(out, batch, tokens, keep)
 
 
 def keep_all_for_shared_layers(state, args, kwargs) -> int | None:

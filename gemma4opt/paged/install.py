@@ -2,6 +2,7 @@
 brings a PagedCache; calls that need HF's cache keep HF's path."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -12,6 +13,7 @@ from gemma4opt.paged.backends import paged_unsupported
 from gemma4opt.paged.cache import PagedCache
 from gemma4opt.paged.forward import begin_paged_step, is_paged, paged_attention_on
 from gemma4opt.paged.step import StepContext
+from gemma4opt.runtime.direct_decode import DirectDecode
 from gemma4opt.step_inputs import cache_of, generation_config_of
 
 
@@ -29,9 +31,15 @@ def install_paged(model, target, state, device, dtype, edits) -> None:
     register()
     ctx = StepContext(state.text_config, state.config, device, dtype, state.fixed, shard=state.shard)
     state.context = ctx
+    owners = []
     for module in target.modules():
         if type(module).__name__ == "Gemma4TextAttention":
             edits.set(module, "_gemma4opt_ctx", ctx)
+            if not getattr(module, "is_kv_shared_layer", False):
+                owners.append(module.layer_idx)
+    ctx.updating_layers = sorted(owners)     # the layers HF's attention calls cache.update on
+    if state.decode_forward is not None:
+        state.direct = DirectDecode(state, state.config.direct_decode, ctx.graph_signature)
     cache_kw = "cache" if "cache" in inspect.signature(state.original_forward).parameters else "past_key_values"
     original_generate = model.generate
 
@@ -44,6 +52,8 @@ def install_paged(model, target, state, device, dtype, edits) -> None:
                     raise ValueError("gemma4opt: this PagedCache belongs to another model (or to this model before "
                                      "it was optimized again); pass the cache its own model returned, or none")
                 check_generate_limits(ctx, model, args, kwargs, given)
+                with generating(state):
+                    return original_generate(*args, **kwargs)
             return original_generate(*args, **kwargs)      # the caller's cache: HF's path with it
         gen = generation_config_of(model, kwargs)
         if gen is None or hf_generate_reason(target, gen) is not None:
@@ -56,7 +66,8 @@ def install_paged(model, target, state, device, dtype, edits) -> None:
         kwargs[cache_kw] = cache
         out = None
         try:
-            out = original_generate(*args, **kwargs)
+            with generating(state):
+                out = original_generate(*args, **kwargs)
             return out
         finally:
             # A cache generate returns (return_dict_in_generate) stays with the caller, who may continue
@@ -80,6 +91,11 @@ def install_paged(model, target, state, device, dtype, edits) -> None:
                 return outer(*args, **kwargs)
 
         edits.set(model, "forward", forward)
+
+
+def generating(state):
+    """The scope of one generate call on a PagedCache (runtime/direct_decode.py's plans live in it)."""
+    return state.direct.generating() if state.direct is not None else contextlib.nullcontext()
 
 
 def _returned_cache(out):

@@ -40,6 +40,7 @@ class StepContext:
         self.seqs = {k: PagedSequences(PagePool(n_pages, oc.page_size, f"{k} KV pool"), self.max_batch,
                                        oc.max_seq_len, windows[k]) for k in KINDS}
         self.producer = kv_producers(cfg)
+        self.updating_layers: list[int] | None = None   # the layers whose caches count tokens (install_paged)
         self._cfg = cfg
         self.layer_kind = list(cfg.layer_types)
         self.kv = allocate_kv(cfg, n_pages, oc.page_size, device, self.kv_dtype, shard)
@@ -143,6 +144,11 @@ class StepContext:
                 lens_slots[kind] = grid_lens.reshape(-1), grid_slots.reshape(-1)
         self.active = True
         self._stage_step({}, lens_slots, None, None, pad_rows * pad_tokens)
+
+    def graph_signature(self) -> tuple:
+        """What paged_attention_forward reads from this context besides tensors, compared by
+        identity (runtime/direct_decode.py: a decode step skipping Dynamo checks it is unchanged)."""
+        return (self.active, self.producer, self.kv_scale, self.new_lens is None, *self.route.values())
 
     def bucket(self, batch: int) -> int | None:
         """The smallest decode-graph bucket that holds ``batch`` rows (None: larger than all)."""

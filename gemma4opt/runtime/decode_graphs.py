@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from gemma4opt.progress import timed
+from gemma4opt.runtime import direct_decode
 
 _cuda = torch.cuda      # one name for the CUDA calls below (the CPU tests stand them in)
 WARMUP_CALLS = 1
@@ -164,6 +165,11 @@ class GraphedDecode:
         self.graphs: dict[tuple, _Captured] = {}
         self.seen: dict[tuple, int] = {}
         self.last_key: tuple | None = None
+        # For runtime/direct_decode.py: where Dynamo reads each input (a Python expression over the
+        # entry's locals L and globals G), and why its steps cannot skip Dynamo (None: they can).
+        self.sources: list[str | None] = [None] * len(example_inputs)
+        self.not_direct: str | None = "built outside a Dynamo compile"
+        self.stores: list[tuple] = []           # (object, attribute, constant) Dynamo's code sets after the graph
 
     def _fixed_key(self, args) -> tuple:
         """The fixed inputs' addresses: one C++ pass comparing them with the last call's, a new
@@ -217,6 +223,19 @@ class GraphedDecode:
             if len(self.graphs) >= MAX_GRAPHS:
                 self.graphs.pop(next(iter(self.graphs)))
             self.graphs[key] = cap
+        outputs = self._replay(cap, args)
+        self.state.last_decode_call = (self, args, outputs)     # what direct_decode learns a step from
+        return outputs
+
+    def replay_if_captured(self, args):
+        """The outputs of a replay when a graph is captured for ``args``, else None (nothing run).
+        runtime/direct_decode.py's path: warm-ups and captures stay with Dynamo's."""
+        if self.not_graphed is not None:
+            return None
+        cap = self.graphs.get(self._key(args))
+        return None if cap is None else self._replay(cap, args)
+
+    def _replay(self, cap: _Captured, args):
         for i in self.moving:
             cap.inputs[i].copy_(args[i], non_blocking=True)
         cap.graph.replay()
@@ -279,6 +298,19 @@ class RecompileOnModelChange:
             self.recompiles += 1
             return self.fn(*args, **kwargs)
 
+    def _entry(self):
+        return self.fn._torchdynamo_orig_callable      # api._own_code_entry's function
+
+    def entry_code(self):
+        """The code object Dynamo keeps this forward's compiled entries under."""
+        return self._entry().__code__
+
+    def frame_locals(self) -> dict:
+        """What Dynamo's sources name ``L['fn']`` (HF's forward) and ``G`` (the entry's globals)."""
+        entry = self._entry()
+        fn = entry.__closure__[entry.__code__.co_freevars.index("fn")].cell_contents
+        return {"fn": fn, "__globals__": entry.__globals__}
+
 
 def _batch(args) -> int | str:
     """The batch a decode graph is captured for (its token input's shape), for progress notes."""
@@ -296,4 +328,6 @@ def graphed_decode(state, root: torch.nn.Module, gm, example_inputs) -> GraphedD
     # as fixed (``gemma4opt.fixed_tensors.FixedTensors``: HF's static cache once allocated, the paged
     # KV pool and tables, the staged step metadata).
     own = frozenset(_model_ptrs(root))
-    return GraphedDecode(gm, example_inputs, state, own | state.fixed.ptrs(), state.graph_pool, model_ptrs=own)
+    graphed = GraphedDecode(gm, example_inputs, state, own | state.fixed.ptrs(), state.graph_pool, model_ptrs=own)
+    graphed.sources, graphed.not_direct = direct_decode.describe_inputs(gm, graphed)
+    return graphed
