@@ -171,6 +171,9 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      "gemma4opt-fp8-kv8": dict(quantization="fp8", kv_cache_dtype="fp8"),
                      # And the lm_head in fp8 (an fp8 copy beside the tied bf16 embedding table).
                      "gemma4opt-fp8-head": dict(quantization="fp8", quantize_lm_head=True),
+                     # Every decode step through Dynamo's entry (direct_decode off): what skipping it saves.
+                     "gemma4opt-nodirect": dict(direct_decode=False),
+                     "gemma4opt-fp8-head-nodirect": dict(quantization="fp8", quantize_lm_head=True, direct_decode=False),
                      # Every row kernel (norms, their fused quantization, norm_add) at decode on N warps a
                      # program, instead of row_launch's rule (up to one per 256 columns).
                      **{f"gemma4opt-rows{w}": dict(row_warps=w) for w in (2, 4, 8)},

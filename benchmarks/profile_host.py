@@ -84,34 +84,10 @@ def replays_skipped(skip: bool):
         torch.cuda.CUDAGraph.replay = replay
 
 
-@contextlib.contextmanager
-def guards_skipped(model, skip: bool):
-    """With ``skip``: decode steps run with Dynamo's guard evaluation skipped
-    (``set_stance(skip_guard_eval_unsafe=True)`` around each), to measure what the guards cost on
-    the host. A measurement only: gemma4opt keeps its guards (docs/architecture.md says why)."""
-    state = getattr(model, "_gemma4opt", None)
-    if not skip or state is None or state.decode_forward is None:
-        yield
-        return
-    inner = state.decode_forward
-
-    def unguarded(*args, **kwargs):
-        torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            torch.compiler.set_stance("default", skip_guard_eval_unsafe=False)
-
-    state.decode_forward = unguarded
-    try:
-        yield
-    finally:
-        state.decode_forward = inner
-
-
 def build(preset, layers, device, args):
     model = build_model(preset, layers, dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device)
-    opts = dict(quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
+    opts = dict(quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
+                direct_decode=not args.no_direct)
     if device == "cuda":
         opts.update(attention="paged", max_batch_size=args.batch, max_seq_len=args.prompt + args.new + 16)
     gemma4opt.optimize(model, gemma4opt.Gemma4OptConfig(**opts))
@@ -130,8 +106,8 @@ def main(argv=None):
     ap.add_argument("--full", action="store_true", help="also time the preset at full depth")
     ap.add_argument("--skip-replay", action="store_true",
                     help="after the warm-up, captured decode graphs are not replayed: the host's work alone at any depth")
-    ap.add_argument("--skip-guards", action="store_true",
-                    help="after the warm-up, Dynamo's guards are not evaluated on decode steps: what they cost")
+    ap.add_argument("--no-direct", action="store_true",
+                    help="every decode step enters Dynamo (direct_decode=False): what skipping its entry saves")
     ap.add_argument("--json", default=None, help="append one result row to this JSON-lines file")
     ap.add_argument("--stacks", default=None, help="only summarize this py-spy raw profile of a run of this script")
     ap.add_argument("--top", type=int, default=40)
@@ -148,24 +124,24 @@ def main(argv=None):
     _gen(model, ids, args.new)
     _sync(device)
     print(f"warm-up {time.perf_counter() - t:.1f} s", flush=True)
-    with replays_skipped(args.skip_replay), guards_skipped(model, args.skip_guards):
+    with replays_skipped(args.skip_replay):
         host_ms = ms_per_step(model, ids, args.new, device)
     what = ("graphs not replayed: the host's work alone" if args.skip_replay
             else "the host's time per step: the device's is a fraction of it")
-    if args.skip_guards:
-        what += "; Dynamo's guards not evaluated"
+    if args.no_direct:
+        what += "; every step through Dynamo's entry"
     print(f"{args.preset} x {args.layers} layers, batch {args.batch}: {host_ms:.3f} ms per decode step ({what})",
           flush=True)
     row = dict(preset=args.preset, layers=args.layers, batch=args.batch, prompt=args.prompt, new=args.new,
                quantization=args.quantization, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-               host_ms_per_step=host_ms, replay_skipped=args.skip_replay, guards_skipped=args.skip_guards)
+               host_ms_per_step=host_ms, replay_skipped=args.skip_replay, direct_decode=not args.no_direct)
     if args.full:
         del model
         torch._dynamo.reset()
         full = build(args.preset, None, device, args)
         if args.skip_replay:
             _gen(full, ids, args.new)       # captures its graphs while replays still run
-        with replays_skipped(args.skip_replay), guards_skipped(full, args.skip_guards):
+        with replays_skipped(args.skip_replay):
             row["full_ms_per_step"] = ms_per_step(full, ids, args.new, device)
         print(f"{args.preset} full depth, batch {args.batch}: {row['full_ms_per_step']:.3f} ms per decode step",
               flush=True)

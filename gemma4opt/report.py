@@ -45,6 +45,8 @@ class Report:
     kv_cache: str = ""          # the paged pool's dtype and bytes per token / per sequence ("" in "hf" mode)
     weights: str = ""           # quantization="fp8": what is fp8, its bytes, and what is not
     tensor_parallel: str = ""   # tensor_parallel=True: this rank's share
+    direct_steps: int = 0       # decode steps that skipped Dynamo's entry (runtime/direct_decode.py)
+    direct: str = ""            # those, the steps that entered Dynamo, and why a plan missed or was not learned
 
     def row(self, pattern: str) -> PatternRow:
         return next(r for r in self.rows if r.pattern == pattern)
@@ -56,6 +58,8 @@ class Report:
         graphs = (f" (as CUDA graph replays: {self.graphed_calls}; captures {self.graph_captures}, "
                   f"warm-up steps {self.graph_warmups})" if self.cuda_graphs else " (no CUDA graphs)")
         lines.append(f"  graphs compiled: {self.graphs_compiled}   compiled calls: {self.compiled_calls}{graphs}")
+        if self.direct:
+            lines.append(f"  {self.direct}")
         if self.graph_key_changes:
             lines.append("  decode steps that missed a captured graph, by input: " + ", ".join(
                 f"{k}: {v}" for k, v in sorted(self.graph_key_changes.items(), key=lambda kv: -kv[1])))
@@ -119,7 +123,9 @@ def build_report(model) -> Report:
                   _decode_gemms(device, state.op_state) if dense and dense.expected else "",
                   _decode_experts(device, state.op_state) if moe and moe.expected else "",
                   state.mode_reason, bool(state.config.cuda_graphs), kv_cache=kv_cache,
-                  weights=_weights(model, state, device), tensor_parallel=_tensor_parallel(state))
+                  weights=_weights(model, state, device), tensor_parallel=_tensor_parallel(state),
+                  direct_steps=state.direct.steps if state.direct is not None else 0,
+                  direct=state.direct.describe() if state.direct is not None else "")
 
 
 def _tensor_parallel(state) -> str:

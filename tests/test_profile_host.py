@@ -50,21 +50,13 @@ def test_skip_replay_is_recorded_and_restores_replay(tmp_path, monkeypatch):
     assert calls == ["graph"]
 
 
-def test_skip_guards_wraps_decode_steps_only_while_timed():
+def test_no_direct_optimizes_with_every_step_through_dynamo(monkeypatch):
     import types
 
-    import torch._dynamo.eval_frame as eval_frame
-
-    seen = []
-
-    def decode(*args, **kwargs):
-        seen.append(eval_frame._stance.skip_guard_eval_unsafe)
-        return args, kwargs
-
-    model = types.SimpleNamespace(_gemma4opt=types.SimpleNamespace(decode_forward=decode))
-    with profile_host.guards_skipped(model, True):
-        assert model._gemma4opt.decode_forward(1, k=2) == ((1,), {"k": 2})
-    assert seen == [True] and eval_frame._stance.skip_guard_eval_unsafe is False
-    assert model._gemma4opt.decode_forward is decode
-    with profile_host.guards_skipped(model, False):
-        assert model._gemma4opt.decode_forward is decode
+    got = []
+    monkeypatch.setattr(profile_host.gemma4opt, "optimize", lambda model, cfg: got.append(cfg))
+    monkeypatch.setattr(profile_host, "build_model", lambda *a, **k: None)
+    for flag in (False, True):
+        args = types.SimpleNamespace(quantization=None, quantize_lm_head=False, no_direct=flag, batch=1, prompt=8, new=4)
+        profile_host.build("tiny", 2, "cpu", args)
+    assert [c.direct_decode for c in got] == [True, False]

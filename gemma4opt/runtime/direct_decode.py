@@ -133,6 +133,7 @@ class Plan:
         self.global_state = torch._C._dynamo.guards.GlobalStateGuard()
         self.modes = torch._C._len_torch_function_stack()
         self.device = torch.utils._device.CURRENT_DEVICE
+        self.saved_hooks = _saved_tensors_hooks()
         self.args = list(args)
         idx = _gathered(graphed, len(args))
         self.gather_idx = idx
@@ -200,11 +201,16 @@ class Plan:
             if kwargs[k] is not want:
                 return f"keyword {k} is another object"
         if not self.global_state.check() or torch._C._len_torch_function_stack() != self.modes \
-                or torch.utils._device.CURRENT_DEVICE != self.device:
+                or torch.utils._device.CURRENT_DEVICE != self.device or _saved_tensors_hooks() != self.saved_hooks:
             return "torch's global state changed"
         if self.signature is not None and any(a is not b for a, b in zip(self.signature[0](), self.signature[1])):
             return "the paged step's state changed"
         return None
+
+
+def _saved_tensors_hooks():
+    """The innermost saved-tensors hooks, which Dynamo guards too (functions: compared by identity)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 def _gatherer(graphed, idx: list[int]):
@@ -295,6 +301,16 @@ class DirectDecode:
     def report(self) -> dict:
         return {"direct steps": self.steps, "steps through Dynamo": self.entered,
                 "misses": dict(self.misses), "not learned": dict(self.not_learned)}
+
+    def describe(self) -> str:
+        """The report's line."""
+        if not self.enabled:
+            return "graphed decode steps: every one enters Dynamo (direct_decode=False)"
+        line = f"graphed decode steps run directly (skipping Dynamo's entry): {self.steps}, through Dynamo: {self.entered}"
+        for what, counts in (("plans missed", self.misses), ("no plan", self.not_learned)):
+            if counts:
+                line += f"; {what}: " + ", ".join(f"{k}: {v}" for k, v in counts.most_common(4))
+        return line
 
 
 def _entry_passing(forward, kwargs):

@@ -142,3 +142,28 @@ def test_decode_graphs_check_addresses_in_cpp_and_recompile_on_a_restrided_weigh
     assert torch.equal(_gen(model, ids, 12), want)
     assert model._gemma4opt.decode_forward.recompiles == 1
     assert "(compiled again): 1" in str(gemma4opt.report(model, print_table=False))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_direct_decode_steps_pass_dynamos_guards_on_cuda(variant):
+    """The paged mode with real CUDA graphs and FlashInfer: decode steps that skip Dynamo's entry
+    (runtime/direct_decode.py) give eager's tokens, batch 1 and a padded batch of 3, across the
+    window; each one checked against Dynamo's own guards (DirectDecode.verify)."""
+    model = build_model(variant, device="cuda")
+    cases = []
+    for batch, length, new in ((1, WINDOW - 2, 2 * WINDOW + 3), (3, WINDOW + 1, 12)):
+        ids = prompt(batch, length, seed=length).cuda()
+        with torch.no_grad():
+            want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False)
+        cases.append((ids, new, want))
+    gemma4opt.optimize(model, gemma4opt.Gemma4OptConfig(attention="paged"))
+    direct = model._gemma4opt.direct
+    direct.verify = True
+    for ids, new, want in cases * 2:
+        with torch.no_grad():
+            got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False)
+        assert torch.equal(got, want)
+    assert direct.steps >= sum(new - 1 for _, new, _ in cases) - 2 * len(cases), direct.report()
+    assert not direct.not_learned, direct.report()
