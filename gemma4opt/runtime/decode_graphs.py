@@ -15,8 +15,11 @@ decode compile drops Dynamo's tensor guards on the model's own parameters and bu
 (``model_guards_dropped``): a model tensor at a new address has its dtype, device, shape, strides
 and type compared here with the traced ones, and a difference compiles the decode forward anew
 (``ModelTensorsChanged``, ``RecompileOnModelChange``), as the dropped guard would have. (Measured:
-the host's work per step of a 42-layer tiny model on a CPU 1.36 -> 1.23 ms; the e4b's on the H200
-2.578 -> 2.574 ms, no change there: docs/architecture.md, "The host's floor".)
+the host's work per step of a 42-layer tiny model on a CPU 1.36 -> 1.23 ms under torch 2.13, no
+change under 2.11; the e4b's on the H200 2.578 -> 2.574 ms: docs/architecture.md, "The host's
+floor".) Within a generate call, paged decode steps then skip Dynamo's entry altogether
+(runtime/direct_decode.py): ``replay_if_captured`` is their way in, and ``describe_inputs`` (at
+compile) records where Dynamo reads each input and whether the trace's side effects allow it.
 
 Why not Inductor's cudagraph trees: with parameters as graph inputs, Dynamo's plain
 ``cudagraphs`` backend copies every weight into the graph each step (only AOT-lifted inputs
