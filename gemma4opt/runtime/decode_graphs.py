@@ -227,7 +227,8 @@ class GraphedDecode:
                 self.graphs.pop(next(iter(self.graphs)))
             self.graphs[key] = cap
         outputs = self._replay(cap, args)
-        self.state.last_decode_call = (self, args, outputs)     # what direct_decode learns a step from
+        if getattr(self.state, "direct", None) is not None:     # what direct_decode learns from (and clears)
+            self.state.last_decode_call = (self, args, outputs)
         return outputs
 
     def replay_if_captured(self, args):
