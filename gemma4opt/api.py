@@ -30,6 +30,7 @@ from gemma4opt.patterns import build_patterns
 from gemma4opt.patterns.merged_projections import MERGED_ATTR
 from gemma4opt.runtime import decode_graphs
 from gemma4opt.runtime.direct_decode import DirectDecode
+from gemma4opt.runtime.hook_watch import HookWatch
 from gemma4opt.runtime.static_cache import install_static_cache_reuse
 from gemma4opt.runtime.stop_check import install_deferred_stop_check
 from gemma4opt.step_inputs import cache_of, one_token_step, step_input
@@ -72,6 +73,7 @@ class OptimizationState:
     compiled_forward: Callable | None = None     # any call: prefill, or decode on a dynamic cache
     hf_forward: Callable | None = None           # paged mode: calls without a paged cache (HF attention)
     decode_forward: Callable | None = None       # decode steps as CUDA graphs (static or paged cache)
+    hooks: HookWatch | None = None               # module hooks changed after optimize(): HF's forward runs
     direct: DirectDecode | None = None           # paged decode steps that skip Dynamo's entry (runtime/direct_decode.py)
     last_decode_call: tuple | None = None        # (graph, inputs, outputs) of the last replay, for ``direct``
     # Runtime.
@@ -294,6 +296,7 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
     edits.set(target, "forward", _make_forward(target, state))
     edits.set(model, "_apply", _make_apply(model))
     edits.set(model, "_gemma4opt", state)
+    state.hooks = HookWatch(target)       # last: the module tree as it runs (fp8 linears swapped in)
 
 
 def _refuse_save_sharded(*args, **kwargs):
@@ -388,7 +391,7 @@ def _make_forward(target, state: OptimizationState):
         ids = step_input(args, kwargs)
         if ids is not None and ids.dim() >= 2 and ids.shape[1] == 0:
             _no_tokens(ids)
-        reason = _fallback_reason(target, kwargs)
+        reason = _fallback_reason(target, kwargs) or state.hooks.reason()
         paged = state.context is not None and is_paged(cache_of(kwargs))
         if paged and reason is not None:
             raise NotImplementedError(

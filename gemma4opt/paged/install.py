@@ -56,7 +56,7 @@ def install_paged(model, target, state, device, dtype, edits) -> None:
                     return original_generate(*args, **kwargs)
             return original_generate(*args, **kwargs)      # the caller's cache: HF's path with it
         gen = generation_config_of(model, kwargs)
-        if gen is None or hf_generate_reason(target, gen) is not None:
+        if gen is None or hf_generate_reason(target, gen) is not None or state.hooks.reason() is not None:
             return original_generate(*args, **kwargs)      # beam search, static cache, attentions...: HF's path
         check_generate_limits(ctx, model, args, kwargs, None, gen)
         cache = PagedCache(ctx, state.text_config.num_hidden_layers)
