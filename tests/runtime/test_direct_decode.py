@@ -236,3 +236,22 @@ def test_side_effects_a_direct_step_can_and_cannot_replay():
     assert Gemma4OptConfig().direct_decode is True
     with pytest.raises(TypeError, match="direct_decode"):
         Gemma4OptConfig(direct_decode="yes")
+
+
+@pytest.mark.parametrize("kernel", ["flashinfer", "mixed"])
+def test_direct_steps_on_flashinfers_planned_decode(monkeypatch, kernel):
+    """FlashInfer's planned decode (stood in) reads page lists whose length changes as pages come
+    and go: its staged inputs are gathered each step and checked; every direct step passes
+    Dynamo's guards and the tokens are eager's."""
+    model = tiny("tiny-ple-shared")
+    config = dataclasses.replace(PAGED, decode_kernel="triton" if kernel == "mixed" else kernel)
+    cases = []
+    for batch, length in ((1, WINDOW - 1), (3, WINDOW + 3)):
+        ids = prompt(batch, length, seed=batch)
+        cases.append((ids, _gen(model, ids, new=14, min_new_tokens=14, attention_mask=torch.ones_like(ids))))
+    _optimize_with_stand_ins(monkeypatch, model, config,
+                             flashinfer_kinds=("full_attention",) if kernel == "mixed" else ())
+    d = _direct(model)
+    for ids, want in cases * 2:
+        assert torch.equal(_gen(model, ids, new=14, min_new_tokens=14, attention_mask=torch.ones_like(ids)), want)
+    assert d.steps > 0 and not d.not_learned, d.report()
