@@ -12,6 +12,10 @@ all the parameters included, cudaGraphLaunch's own cost not: bench_generate's ``
 has that). (Not cProfile: Dynamo's frame hooks hide most of
 generate's frames from it; on the H200 its listing missed generate itself.)
 
+Without a GPU, ``--stand-ins`` runs the same paged path on the CPU with CUDA graphs and FlashInfer
+stood in (the tests' stand-ins) and every captured graph's replay a no-op: the host's work per step
+of the CUDA path, at any depth, in fp32 (``--preset tiny --layers 42``: the e4b's depth).
+
 Where the host's time goes: sample the run with py-spy (a sampling profiler: it reads the stacks
 from outside, Dynamo or not), then summarize its stacks of the timed generate calls:
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -30,6 +35,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import gemma4opt  # noqa: E402
 from bench_generate import _gen, _sync, measure  # noqa: E402
 from gemma4opt.presets import ALL_PRESETS, build_model  # noqa: E402
@@ -94,6 +100,32 @@ def build(preset, layers, device, args):
     return model
 
 
+def build_with_stand_ins(preset, layers, args):
+    """The paged path with CUDA graphs on a CPU, FlashInfer and the graphs stood in as the tests
+    do, each replay a no-op (module doc). Needs the repository's tests/ and pytest."""
+    import types
+
+    import pytest
+
+    sys.path.insert(0, ROOT)
+    from gemma4opt.runtime import decode_graphs
+    from tests.runtime.test_paged_graphs import PAGED, _optimize_with_stand_ins
+
+    model = build_model(preset, layers, dtype=torch.float32)
+    patches = pytest.MonkeyPatch()          # kept for the process's life
+    config = dataclasses.replace(PAGED, max_batch_size=args.batch, max_seq_len=args.prompt + args.new + 16,
+                                 direct_decode=not args.no_direct)
+    _optimize_with_stand_ins(patches, model, config)
+
+    def capture(graphed, inputs):
+        outputs = list(graphed.gm(*inputs))        # run once: the outputs a replay would write
+        moving = {i: inputs[i].clone() for i in graphed.moving}
+        return decode_graphs._Captured(types.SimpleNamespace(replay=lambda: None), moving, outputs)
+
+    patches.setattr(decode_graphs.GraphedDecode, "_capture", capture)
+    return model
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="e2b", choices=sorted(ALL_PRESETS))
@@ -108,6 +140,8 @@ def main(argv=None):
                     help="after the warm-up, captured decode graphs are not replayed: the host's work alone at any depth")
     ap.add_argument("--no-direct", action="store_true",
                     help="every decode step enters Dynamo (direct_decode=False): what skipping its entry saves")
+    ap.add_argument("--stand-ins", action="store_true",
+                    help="on a CPU: the paged CUDA path with graphs and FlashInfer stood in, replays no-ops (module doc)")
     ap.add_argument("--json", default=None, help="append one result row to this JSON-lines file")
     ap.add_argument("--stacks", default=None, help="only summarize this py-spy raw profile of a run of this script")
     ap.add_argument("--top", type=int, default=40)
@@ -117,8 +151,9 @@ def main(argv=None):
         for fr, inc, slf in summarize_stacks(args.stacks, args.top):
             print(f"{inc:6.1%} {slf:6.1%}  {fr}")
         return
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build(args.preset, args.layers, device, args)
+    device = "cuda" if torch.cuda.is_available() and not args.stand_ins else "cpu"
+    model = build_with_stand_ins(args.preset, args.layers, args) if args.stand_ins else \
+        build(args.preset, args.layers, device, args)
     ids = torch.randint(3, min(1000, model.config.vocab_size), (args.batch, args.prompt), device=device)
     t = time.perf_counter()
     _gen(model, ids, args.new)
@@ -128,13 +163,16 @@ def main(argv=None):
         host_ms = ms_per_step(model, ids, args.new, device)
     what = ("graphs not replayed: the host's work alone" if args.skip_replay
             else "the host's time per step: the device's is a fraction of it")
+    if args.stand_ins:
+        what = f"the CPU path with CUDA graphs and FlashInfer stood in, replays no-ops: the host's work alone (torch {torch.__version__})"
     if args.no_direct:
         what += "; every step through Dynamo's entry"
     print(f"{args.preset} x {args.layers} layers, batch {args.batch}: {host_ms:.3f} ms per decode step ({what})",
           flush=True)
     row = dict(preset=args.preset, layers=args.layers, batch=args.batch, prompt=args.prompt, new=args.new,
                quantization=args.quantization, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-               host_ms_per_step=host_ms, replay_skipped=args.skip_replay, direct_decode=not args.no_direct)
+               host_ms_per_step=host_ms, replay_skipped=args.skip_replay, direct_decode=not args.no_direct,
+               stand_ins=args.stand_ins, torch=torch.__version__)
     if args.full:
         del model
         torch._dynamo.reset()
