@@ -100,9 +100,10 @@ def build(preset, layers, device, args):
     return model
 
 
-def build_with_stand_ins(preset, layers, args):
+def build_with_stand_ins(preset, layers, args, patches=None):
     """The paged path with CUDA graphs on a CPU, FlashInfer and the graphs stood in as the tests
-    do, each replay a no-op (module doc). Needs the repository's tests/ and pytest."""
+    do, each replay a no-op (module doc). Needs the repository's tests/ and pytest. ``patches``: a
+    pytest MonkeyPatch to undo the stand-ins with (a test's); by default they stay for the process."""
     import types
 
     import pytest
@@ -112,7 +113,7 @@ def build_with_stand_ins(preset, layers, args):
     from tests.runtime.test_paged_graphs import PAGED, _optimize_with_stand_ins
 
     model = build_model(preset, layers, dtype=torch.float32)
-    patches = pytest.MonkeyPatch()          # kept for the process's life
+    patches = patches if patches is not None else pytest.MonkeyPatch()
     config = dataclasses.replace(PAGED, max_batch_size=args.batch, max_seq_len=args.prompt + args.new + 16,
                                  direct_decode=not args.no_direct)
     _optimize_with_stand_ins(patches, model, config)

@@ -60,3 +60,17 @@ def test_no_direct_optimizes_with_every_step_through_dynamo(monkeypatch):
         args = types.SimpleNamespace(quantization=None, quantize_lm_head=False, no_direct=flag, batch=1, prompt=8, new=4)
         profile_host.build("tiny", 2, "cpu", args)
     assert [c.direct_decode for c in got] == [True, False]
+
+
+def test_stand_ins_time_the_paged_cuda_path_on_a_cpu_with_and_without_direct_steps(monkeypatch):
+    import types
+
+    for direct in (True, False):
+        args = types.SimpleNamespace(quantization=None, quantize_lm_head=False, no_direct=not direct, batch=1,
+                                     prompt=8, new=6)
+        model = profile_host.build_with_stand_ins("tiny", 2, args, monkeypatch)
+        ids = profile_host.torch.randint(3, 100, (1, 8))
+        assert math.isfinite(profile_host.ms_per_step(model, ids, 6, "cpu", repeats=1))
+        st = model._gemma4opt
+        assert st.graph_captures == 1 and st.graphed_calls > 0
+        assert (st.direct.steps > 0) == direct
