@@ -236,7 +236,11 @@ class GraphedDecode:
         runtime/direct_decode.py's path: warm-ups and captures stay with Dynamo's."""
         if self.not_graphed is not None:
             return None
-        cap = self.graphs.get(self._key(args))
+        try:
+            key = self._key(args)
+        except ModelTensorsChanged:          # Dynamo's path compiles anew (RecompileOnModelChange)
+            return None
+        cap = self.graphs.get(key)
         return None if cap is None else self._replay(cap, args)
 
     def _replay(self, cap: _Captured, args):

@@ -42,6 +42,7 @@ import collections
 import contextlib
 
 import torch
+import torch.utils._device
 
 _CONSTANT_TYPES = (type(None), bool, int, float, str)
 
