@@ -39,7 +39,7 @@ def install_paged(model, target, state, device, dtype, edits) -> None:
                 owners.append(module.layer_idx)
     ctx.updating_layers = sorted(owners)     # the layers HF's attention calls cache.update on
     if state.decode_forward is not None:
-        state.direct = DirectDecode(state, state.config.direct_decode, ctx.graph_signature)
+        state.direct = DirectDecode(state, state.config.direct_decode, ctx.graph_signature, ctx.step_objects)
     cache_kw = "cache" if "cache" in inspect.signature(state.original_forward).parameters else "past_key_values"
     original_generate = model.generate
 

@@ -150,6 +150,13 @@ class StepContext:
         identity (runtime/direct_decode.py: a decode step skipping Dynamo checks it is unchanged)."""
         return (self.active, self.producer, self.kv_scale, self.new_lens is None, *self.route.values())
 
+    def step_objects(self) -> tuple:
+        """The objects through which the attention function reaches this step's tensors (the
+        bound metadata, a layout's cached dict; the token index; the new lengths). Rebound only when
+        the step's layout changes: while they are the same objects, so are the tensors they hold
+        (runtime/direct_decode.py then does not gather those again)."""
+        return self.meta, self.token_index, self.new_lens, self.kv, self.kv_scale
+
     def bucket(self, batch: int) -> int | None:
         """The smallest decode-graph bucket that holds ``batch`` rows (None: larger than all)."""
         return next((b for b in self.buckets if b >= batch), None)

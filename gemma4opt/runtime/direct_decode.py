@@ -120,7 +120,7 @@ def _tensor_meta(t: torch.Tensor, strides: bool) -> tuple:
 class Plan:
     """How to run one decode step directly (module doc), learned from a step Dynamo ran."""
 
-    def __init__(self, graphed, args, outputs, kwargs, out, frame_locals, signature):
+    def __init__(self, graphed, args, outputs, kwargs, out, frame_locals, signature, step_objects=None):
         self.graphed, self.signature = graphed, signature
         self.keys = tuple(kwargs)
         self.tensors, self.constants, self.objects = [], [], []
@@ -136,56 +136,93 @@ class Plan:
         self.device = torch.utils._device.CURRENT_DEVICE
         self.saved_hooks = _saved_tensors_hooks()
         self.args = list(args)
-        idx = _gathered(graphed, len(args))
-        self.gather_idx = idx
-        self.gather = _gatherer(graphed, idx)
-        self.globals = frame_locals["__globals__"]
+        self.globals, self.fn = frame_locals["__globals__"], frame_locals["fn"]
         fixed = set(graphed.fixed)
-        self.metas = [_meta_of(args[i], i in fixed) for i in idx]
-        got = self.gather(_frame(frame_locals["fn"], kwargs), self.globals)
-        if any(a is not b for a, b in zip(got, (args[i] for i in idx))):
-            raise ValueError("the sources do not give the graph's inputs")
-        self.fn = frame_locals["fn"]
+        # Two groups of inputs: the call's own (its keywords', gathered every step) and the rest
+        # (the paged step's tensors reached through the model), gathered again only when the
+        # StepContext's step objects are not those of the last step (``step_objects``).
+        idx = _gathered(graphed, len(args))
+        own = [i for i in idx if graphed.sources[i].startswith("L['kwargs']")]
+        rest = [i for i in idx if not graphed.sources[i].startswith("L['kwargs']")]
+        self.groups = [(g, _gatherer(graphed, g), [_meta_of(args[i], i in fixed) for i in g]) for g in (own, rest)]
+        for g, gather, _ in self.groups:
+            if any(a is not args[i] for a, i in zip(gather(_frame(self.fn, kwargs), self.globals), g)):
+                raise ValueError("the sources do not give the graph's inputs")
+        self.step_objects = step_objects
+        self.last_objects = step_objects() if step_objects is not None else None
+        # The output: a ModelOutput (an OrderedDict whose non-None fields are also its items) made
+        # as a copy of the learned step's, its graph outputs and arguments swapped for this step's
+        # (HF's dataclass __init__ costs ~16 µs a step; this ~1).
         self.out_type = type(out)
-        self.fields = []
-        for k, v in out.items():
-            where = next((("output", j) for j, o in enumerate(outputs) if o is v), None)
-            if where is None:
-                where = next((("keyword", name) for name, x in kwargs.items() if x is v), None)
-            if where is None:
-                raise ValueError(f"output field {k!r} is neither a graph output nor an argument")
-            self.fields.append((k, where))
+        self.attrs = [(k, self._where(v, outputs, kwargs)) for k, v in vars(out).items()]
+        self.items = [(k, self._where(v, outputs, kwargs)) for k, v in out.items()]
         rebuilt = self._output(outputs, kwargs)
-        if list(rebuilt.keys()) != list(out.keys()) or any(rebuilt[k] is not out[k] for k in out.keys()):
+        if vars(rebuilt).keys() != vars(out).keys() or any(vars(rebuilt)[k] is not v for k, v in vars(out).items()) \
+                or list(rebuilt.keys()) != list(out.keys()) or any(rebuilt[k] is not out[k] for k in out.keys()):
             raise ValueError("the output object is not rebuilt as Dynamo built it")
         self.missed = ""
 
+    @staticmethod
+    def _where(v, outputs, kwargs) -> tuple:
+        if v is None or type(v) in _CONSTANT_TYPES:
+            return "constant", v
+        for j, o in enumerate(outputs):
+            if o is v:
+                return "output", j
+        for name, x in kwargs.items():
+            if x is v:
+                return "keyword", name
+        raise ValueError(f"an output field ({type(v).__name__}) is neither a graph output, an argument nor a constant")
+
     def _output(self, outputs, kwargs):
-        return self.out_type(**{k: outputs[w] if kind == "output" else kwargs[w] for k, (kind, w) in self.fields})
+        def value(kind, w):
+            return outputs[w] if kind == "output" else kwargs[w] if kind == "keyword" else w
+
+        out = self.out_type.__new__(self.out_type)
+        vars(out).update((k, value(*w)) for k, w in self.attrs)
+        collections.OrderedDict.update(out, ((k, value(*w)) for k, w in self.items))
+        return out
 
     def run(self, kwargs):
         """The step's output, or None (``missed`` says why) when a check fails."""
         why = self._check(kwargs)
         if why is None:
-            args = self.args
-            try:
-                got = self.gather(_frame(self.fn, kwargs), self.globals)
-            except (LookupError, AttributeError, TypeError) as e:
-                got, why = (), f"an input is no longer where it was ({type(e).__name__})"
-            for i, v, meta in zip(self.gather_idx, got, self.metas):
-                if _meta_of(v, meta[-1] is not None) != meta:
-                    why = f"input {i} ({self.graphed.sources[i]}) changed"
-                    break
-                args[i] = v
-        if why is None and len(got) == len(self.gather_idx):
-            outputs = self.graphed.replay_if_captured(args)
+            why, objects = self._gather(kwargs)
+        if why is None:
+            outputs = self.graphed.replay_if_captured(self.args)
             if outputs is not None:
+                self.last_objects = objects
                 for obj, attr, value in self.graphed.stores:     # what Dynamo's code stores after the graph
                     setattr(obj, attr, value)
                 return self._output(outputs, kwargs)
             why = "no graph captured for these inputs"
         self.missed = why
         return None
+
+    def _gather(self, kwargs) -> tuple[str | None, tuple | None]:
+        """Put this step's inputs into ``args``, each checked against the learned step's: (why not, or
+        None; the step objects seen)."""
+        args = self.args
+        objects = self.step_objects() if self.step_objects is not None else None
+        same = objects is not None and all(a is b for a, b in zip(objects, self.last_objects))
+        for n, (idx, gather, metas) in enumerate(self.groups):
+            if n == 1 and same:
+                continue
+            try:
+                got = gather(_frame(self.fn, kwargs), self.globals)
+            except (LookupError, AttributeError, TypeError) as e:
+                return f"an input is no longer where it was ({type(e).__name__})", None
+            for i, v, meta in zip(idx, got, metas):
+                # args[i] holds an object already checked: the same object again is not re-checked
+                # (the KV pools, a layout's staged views). Its metadata could change only by in-place
+                # metadata ops (resize_, set_) that neither HF nor gemma4opt applies to these; a
+                # fixed input's address is compared in GraphedDecode's key all the same.
+                if v is args[i]:
+                    continue
+                if _meta_of(v, meta[-1] is not None) != meta:
+                    return f"input {i} ({self.graphed.sources[i]}) changed", None
+                args[i] = v
+        return None, objects
 
     def _check(self, kwargs) -> str | None:
         if tuple(kwargs) != self.keys:
@@ -216,11 +253,12 @@ def _saved_tensors_hooks():
 
 def _gatherer(graphed, idx: list[int]):
     """One compiled expression returning the inputs at ``idx`` (Dynamo's source expressions over
-    the entry's locals L and globals G), made once per graph."""
-    fn = getattr(graphed, "_gather", None)
+    the entry's locals L and globals G), made once per graph and group."""
+    made = graphed.__dict__.setdefault("_gatherers", {})
+    fn = made.get(tuple(idx))
     if fn is None:
-        fn = graphed._gather = eval(f"lambda L, G: ({''.join(graphed.sources[i] + ', ' for i in idx)})",  # noqa: S307
-                                    {}, {})
+        fn = made[tuple(idx)] = eval(f"lambda L, G: ({''.join(graphed.sources[i] + ', ' for i in idx)})",  # noqa: S307
+                                     {}, {})
     return fn
 
 
@@ -238,9 +276,10 @@ def _frame(fn, kwargs) -> dict:
 class DirectDecode:
     """One model's decode calls: through Dynamo, or through a learned Plan (module doc)."""
 
-    def __init__(self, state, enabled: bool, signature=None):
+    def __init__(self, state, enabled: bool, signature=None, step_objects=None):
         self.state, self.enabled = state, enabled
         self.signature = signature       # () -> the paged step's state the attention reads
+        self.step_objects = step_objects  # () -> the paged step's tensor holders (Plan.groups)
         self.plan: Plan | None = None
         self.depth = 0                   # generate calls running on this model
         self.steps = 0                   # steps run directly (report)
@@ -291,7 +330,7 @@ class DirectDecode:
         forward = self.state.decode_forward
         try:
             sig = None if self.signature is None else (self.signature, self.signature())
-            plan = Plan(graphed, args, outputs, kwargs, out, forward.frame_locals(), sig)
+            plan = Plan(graphed, args, outputs, kwargs, out, forward.frame_locals(), sig, self.step_objects)
         except Exception as e:      # a plan that cannot be learned only costs the speed-up
             self.not_learned[f"{type(e).__name__}: {e}"] += 1
             return None
