@@ -20,7 +20,9 @@ between steps, gathers those inputs and replays the same graph:
   ``GlobalStateGuard``), the torch-function mode stack, the default device;
 - the paged step's own state that the attention function reads (``StepContext.graph_signature``);
 - every gathered input: tensors of the same type, dtype, device, shape and (fixed ones) strides,
-  at the addresses the capture baked (GraphedDecode's key), ints the capture was keyed on.
+  at the addresses the capture baked (GraphedDecode's key), ints the capture was keyed on. The
+  call's own inputs are gathered every step; those reached through the model (the paged step's
+  staged views and pools) again only when the StepContext's ``step_objects`` changed.
 A failed check sends the step through Dynamo (all guards), which may learn a new plan. A plan
 lives only while its generate call runs: the next call's first steps enter Dynamo again.
 
