@@ -268,6 +268,9 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
         state.decode_forward = decode_graphs.RecompileOnModelChange(compile_decode)
     if paged:
         install_paged(model, target, state, device, dtype, edits)   # allocates the pool: may fail
+        if state.decode_forward is not None:
+            ctx = state.context
+            state.direct = DirectDecode(state, cfg.direct_decode, ctx.graph_signature, ctx.step_objects)
 
     gen = getattr(model, "generation_config", None)
     if gen is not None:

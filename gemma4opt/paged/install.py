@@ -13,7 +13,6 @@ from gemma4opt.paged.backends import paged_unsupported
 from gemma4opt.paged.cache import PagedCache
 from gemma4opt.paged.forward import begin_paged_step, is_paged, paged_attention_on
 from gemma4opt.paged.step import StepContext
-from gemma4opt.runtime.direct_decode import DirectDecode
 from gemma4opt.step_inputs import cache_of, generation_config_of
 
 
@@ -38,8 +37,6 @@ def install_paged(model, target, state, device, dtype, edits) -> None:
             if not getattr(module, "is_kv_shared_layer", False):
                 owners.append(module.layer_idx)
     ctx.updating_layers = sorted(owners)     # the layers HF's attention calls cache.update on
-    if state.decode_forward is not None:
-        state.direct = DirectDecode(state, state.config.direct_decode, ctx.graph_signature, ctx.step_objects)
     cache_kw = "cache" if "cache" in inspect.signature(state.original_forward).parameters else "past_key_values"
     original_generate = model.generate
 
@@ -94,7 +91,8 @@ def install_paged(model, target, state, device, dtype, edits) -> None:
 
 
 def generating(state):
-    """The scope of one generate call on a PagedCache (runtime/direct_decode.py's plans live in it)."""
+    """The scope of one generate call on a PagedCache (runtime/direct_decode.py's plans live in it;
+    api.py makes ``state.direct``)."""
     return state.direct.generating() if state.direct is not None else contextlib.nullcontext()
 
 
