@@ -77,7 +77,7 @@ class Gemma4OptConfig:
         guards over every module and weight, and its gathering of the graph's inputs: most of the
         host's time per step on a deep model). Each step still checks what can differ between
         steps: the call's arguments, torch's global state, the step metadata's addresses and shapes;
-        anything else goes through Dynamo. The model, its config and hooks must not be changed
+        anything else goes through Dynamo. The model and its config must not be changed
         while a generate call runs (from a logits processor, stopping criterion or streamer):
         such a change is seen from the next generate call on. ``False``: every step enters Dynamo.
         See runtime/direct_decode.py.

@@ -27,10 +27,11 @@ A failed check sends the step through Dynamo (all guards), which may learn a new
 lives only while its generate call runs: the next call's first steps enter Dynamo again.
 
 Not checked, by contract (Gemma4OptConfig.direct_decode's doc): the model itself (its modules,
-weights, config, hooks) and module-level globals HF's code reads, which no step of a generate
+weights, config) and module-level globals HF's code reads, which no step of a generate
 changes; a logits processor, stopping criterion or streamer that changes them in the middle of a
-generate call is seen from the next call on. ``verify`` (tests) checks each direct step against
-Dynamo's full guards.
+generate call is seen from the next call on. (Module hooks are checked on every call, direct or
+not: runtime/hook_watch.py.) ``verify`` (tests) checks each direct step against Dynamo's full
+guards.
 
 After the graph, Dynamo's code builds the output and applies the trace's side effects; a direct
 step does the same when those are constants stored on attributes (HF's output capturing resets
