@@ -155,7 +155,7 @@ class StepContext:
         bound metadata, a layout's cached dict; the token index; the new lengths). Rebound only when
         the step's layout changes: while they are the same objects, so are the tensors they hold
         (runtime/direct_decode.py then does not gather those again)."""
-        return self.meta, self.token_index, self.new_lens, self.kv, self.kv_scale
+        return self.meta, self.token_index, self.new_lens, self.kv      # (kv_scale: in graph_signature)
 
     def bucket(self, batch: int) -> int | None:
         """The smallest decode-graph bucket that holds ``batch`` rows (None: larger than all)."""

@@ -341,10 +341,6 @@ class DirectDecode:
             plan.entry = _entry_passing(forward, kwargs)
         return plan
 
-    def report(self) -> dict:
-        return {"direct steps": self.steps, "steps through Dynamo": self.entered,
-                "misses": dict(self.misses), "not learned": dict(self.not_learned)}
-
     def describe(self) -> str:
         """The report's line."""
         if not self.enabled:

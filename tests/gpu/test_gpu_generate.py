@@ -166,5 +166,5 @@ def test_direct_decode_steps_pass_dynamos_guards_on_cuda():
         kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False)
         with torch.no_grad():
             assert torch.equal(direct.generate(ids, **kw), through.generate(ids, **kw)), (batch, length)
-    assert d.steps > (47 + 23), d.report()       # most of the 140 decode steps
-    assert not d.not_learned and through._gemma4opt.direct.steps == 0, d.report()
+    assert d.steps > (47 + 23), d.describe()       # most of the 140 decode steps
+    assert not d.not_learned and through._gemma4opt.direct.steps == 0, d.describe()

@@ -44,7 +44,7 @@ def test_direct_steps_pass_dynamos_guards_and_give_eagers_tokens(monkeypatch, va
     # The second round (graphs captured): every decode step but the one each generate learns from
     # runs directly; the first round's too, past its warm-ups and captures.
     steps = sum(new - 1 for _, _, new, _ in cases)
-    assert d.steps >= 2 * steps - 3 * len(cases) - len(cases), d.report()
+    assert d.steps >= 2 * steps - 3 * len(cases) - len(cases), d.describe()
     rep = gemma4opt.report(model, print_table=False)
     assert rep.direct_steps == d.steps and "run directly" in str(rep)
 
@@ -107,7 +107,7 @@ def test_a_global_state_change_within_a_generate_goes_through_dynamo(monkeypatch
     d = _direct(model)
     for _ in range(2):
         assert torch.equal(run(), want)
-    assert d.misses["torch's global state changed"] == 2, d.report()
+    assert d.misses["torch's global state changed"] == 2, d.describe()
     assert d.steps > 0
 
 
@@ -138,7 +138,7 @@ def test_a_model_change_between_generate_calls_is_seen(monkeypatch):
     try:
         for _ in range(2):
             assert torch.equal(run(), after)
-        assert model._gemma4opt.graphs_compiled > compiled and d.steps > steps, d.report()
+        assert model._gemma4opt.graphs_compiled > compiled and d.steps > steps, d.describe()
     finally:
         _set_scale(model, True)
     assert torch.equal(run(), before)
@@ -256,4 +256,4 @@ def test_direct_steps_on_flashinfers_planned_decode(monkeypatch, kernel):
     d = _direct(model)
     for ids, want in cases * 2:
         assert torch.equal(_gen(model, ids, new=14, min_new_tokens=14, attention_mask=torch.ones_like(ids)), want)
-    assert d.steps > 0 and not d.not_learned, d.report()
+    assert d.steps > 0 and not d.not_learned, d.describe()
