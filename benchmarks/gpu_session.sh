@@ -61,12 +61,12 @@
 #              generate's ms per step ran 0.9-1.5 ms over its graph's device time; idle samples kept (--idle), so
 #              the host's waits (the deferred stop check's blocking event) show beside its work (limit 480 s: at
 #              190 s the warm-up under the sampler had not ended).
-#   direct-decode  decode steps that skip Dynamo's entry (direct_decode) against every step through it: the e4b's
-#              host work alone per step at full depth in bf16 (profile_host.py --skip-replay), with and without
-#              (limits 150 / 130 s); the GPU tests of the direct path (tiny variants, each direct step checked against
-#              Dynamo's guards; 200 s); the e4b at batch 1 beside eager and HF static + compile, bf16 and fp8 weights +
-#              lm_head, each with and without (560 s); the 26b-a4b at batch 1 with fp8 weights + lm_head, with and
-#              without, beside eager (400 s).
+#   direct-decode  decode steps that skip Dynamo's entry (direct_decode) against every step through it: the GPU
+#              tests of the direct path (tiny variants, each direct step checked against Dynamo's guards; 200 s),
+#              then the e4b's host work alone per step at full depth in bf16 (profile_host.py --skip-replay), with
+#              and without (limits 150 / 130 s). direct-e4b: the e4b at batch 1 beside eager and HF static + compile,
+#              bf16 and fp8 weights + lm_head, each with and without (560 s). direct-26b: the 26b-a4b at batch 1
+#              with fp8 weights + lm_head, with and without, beside eager (400 s). One call each.
 #   profile-e4b-fp8  kernel by kernel, PDL off: the e4b at batch 1 with fp8 weights and lm_head (200 s), then in bf16 (170 s).
 #   profile-presets  kernel by kernel, PDL off: e4b at batch 32, e2b at 1, 26b-a4b at 8 (limits 190 / 130 / 200 s).
 #   narrow-ab-e4b, narrow-ab-26b  the skinny GEMM's narrow tiles at 2-32 rows with and without: e4b at 32,
@@ -460,12 +460,14 @@ for s in "$@"; do
             --skip-replay --full --json "$OUT/host.jsonl"
       stage host-full-e4b 200 python3 benchmarks/profile_host.py --preset e4b --skip-replay --full --json "$OUT/host.jsonl" ;;
     direct-decode)
+      stage direct-tests 200 $PYTEST tests/gpu/test_gpu_generate.py -k direct
       HOST="python3 benchmarks/profile_host.py --preset e4b --layers 42 --skip-replay"
       stage direct-host 150 $HOST --json "$OUT/host.jsonl"
-      stage direct-host-off 130 $HOST --no-direct --json "$OUT/host.jsonl"
-      stage direct-tests 200 $PYTEST tests/gpu/test_gpu_generate.py -k direct
+      stage direct-host-off 130 $HOST --no-direct --json "$OUT/host.jsonl" ;;
+    direct-e4b)
       stage direct-e4b 560 $GEN e4b --batch 1 --systems eager static_compile gemma4opt-nodirect gemma4opt \
-            gemma4opt-fp8-head-nodirect gemma4opt-fp8-head --json "$OUT/generate.jsonl"
+            gemma4opt-fp8-head-nodirect gemma4opt-fp8-head --json "$OUT/generate.jsonl" ;;
+    direct-26b)
       stage direct-26b 400 $GEN 26b-a4b --batch 1 --systems eager gemma4opt-fp8-head-nodirect gemma4opt-fp8-head \
             --json "$OUT/generate.jsonl" ;;
     host-stacks-e4b)
@@ -528,6 +530,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b, direct-decode)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b, direct-decode, direct-e4b, direct-26b)" ;;
   esac
 done
