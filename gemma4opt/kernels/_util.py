@@ -50,6 +50,14 @@ def rows_view(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+def dense(*ts):
+    """Each tensor (or None) as is when contiguous, else a contiguous copy. The kernels index their
+    weight and scale vectors as packed; a parameter can be given other strides after optimize()
+    (``p.data = ...``: Dynamo recompiles with it), which would otherwise read the wrong values."""
+    out = tuple(t if t is None or t.is_contiguous() else t.contiguous() for t in ts)
+    return out[0] if len(out) == 1 else out
+
+
 _ROWS = {"decode_warps": None}
 
 

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels._util import pdl_flags, pdl_prologue, row_launch, rows_view
+from gemma4opt.kernels._util import dense, pdl_flags, pdl_prologue, row_launch, rows_view
 
 
 @triton.jit
@@ -50,6 +50,7 @@ def _add_rms_norm_kernel(X, R, W1, SCALE, W2, S, N, sx, sr, ss, sn, D, eps1, eps
 def add_rms_norm_triton(x, residual, weight, eps, scale, next_weight, next_eps):
     D = x.shape[-1]
     x2, r2 = rows_view(x), rows_view(residual)
+    weight, scale, next_weight = dense(weight, scale, next_weight)
     s = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     n = torch.empty_like(s)
     if s.shape[0]:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels._util import pdl_flags, pdl_prologue, row_launch, rows_view
+from gemma4opt.kernels._util import dense, pdl_flags, pdl_prologue, row_launch, rows_view
 from gemma4opt.kernels.add_rms_norm import add_rms_norm_row
 from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_rounded
 
@@ -140,7 +140,7 @@ def rms_norm_quant_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: flo
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """rms_norm(x, weight, eps) in x.dtype, quantized per row: (fp8 like x, fp32 scales x.shape[:-1])."""
     D = x.shape[-1]
-    x2 = rows_view(x)
+    x2, weight = rows_view(x), dense(weight)
     q, s = _outputs(x2)
     rows = x2.shape[0]
     if rows:
@@ -156,6 +156,7 @@ def add_rms_norm_quant_triton(x, residual, weight, eps, scale, next_weight, next
     """kernels/add_rms_norm.py's (s, n) with n quantized per row: (s, fp8 n, fp32 scales)."""
     D = x.shape[-1]
     x2, r2 = rows_view(x), rows_view(residual)
+    weight, scale, next_weight = dense(weight, scale, next_weight)
     s = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     q, qs = _outputs(s)
     if s.shape[0]:

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels._util import pdl_flags, pdl_prologue, row_launch, rows_view
+from gemma4opt.kernels._util import dense, pdl_flags, pdl_prologue, row_launch, rows_view
 from gemma4opt.kernels.rms_norm import inv_rms
 
 
@@ -47,7 +47,7 @@ def router_input_triton(x: torch.Tensor, scale: torch.Tensor, eps: float, root: 
     """x [T, D] and scale [D] of one dtype -> the router's GEMM input [T, D] in that dtype; with
     ``norm_weight``, (that input, rms_norm(x, norm_weight, norm_eps)) from the same pass."""
     D = x.shape[-1]
-    x2 = rows_view(x)
+    x2, (scale, norm_weight) = rows_view(x), dense(scale, norm_weight)
     h = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     n2 = torch.empty_like(h) if norm_weight is not None else h
     if h.shape[0]:
@@ -96,6 +96,7 @@ def _router_kernel(L, PES, P, TW, TI, sl, E, K: tl.constexpr, BLOCK: tl.constexp
 def router_topk_triton(expert_logits: torch.Tensor, per_expert_scale: torch.Tensor, k: int):
     """(probs fp32 [T, E], top-k weights fp32 [T, k], top-k indices int64 [T, k])."""
     T, E = expert_logits.shape
+    per_expert_scale = dense(per_expert_scale)
     probs = torch.empty((T, E), dtype=torch.float32, device=expert_logits.device)
     tw = torch.empty((T, k), dtype=torch.float32, device=expert_logits.device)
     ti = torch.empty((T, k), dtype=torch.int64, device=expert_logits.device)

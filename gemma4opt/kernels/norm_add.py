@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels._util import pdl_flags, pdl_prologue, row_launch, rows_view
+from gemma4opt.kernels._util import dense, pdl_flags, pdl_prologue, row_launch, rows_view
 from gemma4opt.kernels.rms_norm import inv_rms
 
 
@@ -38,6 +38,7 @@ def norm_add_triton(x, weight, eps, y, y_weight, y_eps, norm_y):
     """x, y of one shape and dtype -> rms_norm(x, weight) + (rms_norm(y, y_weight) if norm_y else y)."""
     D = x.shape[-1]
     x2, y2 = rows_view(x), rows_view(y)
+    weight, y_weight = dense(weight, y_weight)
     s = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if s.shape[0]:
         block, warps = row_launch(D, s.shape[0])

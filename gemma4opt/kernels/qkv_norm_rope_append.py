@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels._util import pdl_flags, pdl_prologue
+from gemma4opt.kernels._util import dense, pdl_flags, pdl_prologue
 from gemma4opt.kernels.fp8_quant import fp8_quantize
 from gemma4opt.kernels.rms_norm_rope import expand_cos_sin, head_block, norm_rope_store, norm_rope_tile
 
@@ -77,6 +77,7 @@ def qkv_norm_rope_append_triton(kv, q, q_weight, k, k_weight, v, cos, sin, eps, 
     B, S, HQ, D = q.shape
     HK = k.shape[2]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q_weight, k_weight = dense(q_weight, k_weight)
     cos, sin = expand_cos_sin(cos, sin, B, S, D)
     out = torch.empty((B, S, HQ, D), dtype=q.dtype, device=q.device)
     n = token_index.shape[0]

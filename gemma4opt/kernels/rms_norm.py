@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels._util import pdl_flags, pdl_prologue, row_launch, rows_view
+from gemma4opt.kernels._util import dense, pdl_flags, pdl_prologue, row_launch, rows_view
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def _rms_norm_kernel(X, W, Y, stride_x, stride_y, D, eps, HAS_WEIGHT: tl.constex
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     D = x.shape[-1]
-    x2 = rows_view(x)
+    x2, weight = rows_view(x), dense(weight)
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     rows = x2.shape[0]
     if rows:

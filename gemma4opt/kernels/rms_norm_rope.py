@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels._util import pdl_flags, pdl_prologue
+from gemma4opt.kernels._util import dense, pdl_flags, pdl_prologue
 
 
 @triton.jit
@@ -90,6 +90,7 @@ def rms_norm_rope_triton(x, weight, cos, sin, eps, launch: dict | None = None):
     B, S, H, D = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
+    weight = dense(weight)
     cos, sin = expand_cos_sin(cos, sin, B, S, D)
     out = torch.empty((B, S, H, D), dtype=x.dtype, device=x.device)
     if out.numel():
