@@ -30,7 +30,9 @@ SYSTEM_NAMES = {"eager": "HF eager", "static_compile": "HF static cache + torch.
                 "gemma4opt-hf-before": "gemma4opt-hf, the older checkout named in the command",
                 "eager-before": "HF eager, beside the older checkout",
                 "gemma4opt-triton-gemms": "gemma4opt one-liner, every decode GEMM on the Triton GEMM",
-                "gemma4opt-paged-cublas": "gemma4opt paged, every decode GEMM on cuBLAS"}
+                "gemma4opt-paged-cublas": "gemma4opt paged, every decode GEMM on cuBLAS",
+                "gemma4opt-nodirect": "gemma4opt one-liner, every decode step through Dynamo (direct_decode=False)",
+                "gemma4opt-fp8-head-nodirect": "gemma4opt one-liner, fp8 weights and lm_head, direct_decode=False"}
 
 
 def _rows(pattern):
