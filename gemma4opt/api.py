@@ -31,6 +31,7 @@ from gemma4opt.patterns.merged_projections import MERGED_ATTR
 from gemma4opt.runtime import decode_graphs
 from gemma4opt.runtime.direct_decode import DirectDecode
 from gemma4opt.runtime.hook_watch import HookWatch
+from gemma4opt.runtime.weight_watch import MergedWeightWatch
 from gemma4opt.runtime.static_cache import install_static_cache_reuse
 from gemma4opt.runtime.stop_check import install_deferred_stop_check
 from gemma4opt.step_inputs import cache_of, one_token_step, step_input
@@ -74,6 +75,8 @@ class OptimizationState:
     hf_forward: Callable | None = None           # paged mode: calls without a paged cache (HF attention)
     decode_forward: Callable | None = None       # decode steps as CUDA graphs (static or paged cache)
     hooks: HookWatch | None = None               # module hooks changed after optimize(): HF's forward runs
+    weights: MergedWeightWatch | None = None     # merged weights' views given new storage: copied back
+    generating: int = 0                          # generate calls under way (nested: an assistant's)
     direct: DirectDecode | None = None           # paged decode steps that skip Dynamo's entry (runtime/direct_decode.py)
     last_decode_call: tuple | None = None        # (graph, inputs, outputs) of the last replay, for ``direct``
     # Runtime.
@@ -300,6 +303,7 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
     edits.set(model, "_apply", _make_apply(model))
     edits.set(model, "_gemma4opt", state)
     state.hooks = HookWatch(target)       # last: the module tree as it runs (fp8 linears swapped in)
+    state.weights = MergedWeightWatch(target)
 
 
 def _refuse_save_sharded(*args, **kwargs):
@@ -363,7 +367,12 @@ def _install_generate_checks(model, state, edits: InstanceEdits) -> None:
             ids = kwargs.get("inputs_embeds")
         if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] == 0:
             _no_tokens(ids)
-        return original(*args, **kwargs)
+        state.weights.check()
+        state.generating += 1           # its forward calls skip the check (runtime/weight_watch.py)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            state.generating -= 1
 
     edits.set(model, "generate", generate)
 
@@ -394,6 +403,8 @@ def _make_forward(target, state: OptimizationState):
         ids = step_input(args, kwargs)
         if ids is not None and ids.dim() >= 2 and ids.shape[1] == 0:
             _no_tokens(ids)
+        if not state.generating:
+            state.weights.check()
         reason = _fallback_reason(target, kwargs) or state.hooks.reason()
         paged = state.context is not None and is_paged(cache_of(kwargs))
         if paged and reason is not None:

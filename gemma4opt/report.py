@@ -47,6 +47,7 @@ class Report:
     tensor_parallel: str = ""   # tensor_parallel=True: this rank's share
     direct_steps: int = 0       # decode steps that skipped Dynamo's entry (runtime/direct_decode.py)
     direct: str = ""            # those, the steps that entered Dynamo, and why a plan missed or was not learned
+    weights_restored: list[str] = field(default_factory=list)   # merged weights given new storage, copied back
 
     def row(self, pattern: str) -> PatternRow:
         return next(r for r in self.rows if r.pattern == pattern)
@@ -77,6 +78,10 @@ class Report:
             lines.append(f"  decode GEMMs (gemma4opt.linear): {self.decode_gemms}")
         if self.decode_experts:
             lines.append(f"  decode MoE experts (gemma4opt.moe_experts): {self.decode_experts}")
+        if self.weights_restored:
+            lines.append(f"  weights given new storage after optimize(), copied into the merged weights: "
+                         f"{len(self.weights_restored)} ({', '.join(self.weights_restored[:3])}"
+                         f"{', ...' if len(self.weights_restored) > 3 else ''})")
         if self.fallbacks:
             lines.append("  fallbacks (calls): " + ", ".join(f"{k}: {v}" for k, v in self.fallbacks.items()))
         if self.rows:
@@ -125,7 +130,8 @@ def build_report(model) -> Report:
                   state.mode_reason, bool(state.config.cuda_graphs), kv_cache=kv_cache,
                   weights=_weights(model, state, device), tensor_parallel=_tensor_parallel(state),
                   direct_steps=state.direct.steps if state.direct is not None else 0,
-                  direct=state.direct.describe() if state.direct is not None else "")
+                  direct=state.direct.describe() if state.direct is not None else "",
+                  weights_restored=list(state.weights.restored) if state.weights is not None else [])
 
 
 def _tensor_parallel(state) -> str:

@@ -61,6 +61,61 @@ def _merge(module: torch.nn.Module, names: tuple[str, ...]) -> None:
         setattr(module, MERGED_SCALE_ATTR, scales)
 
 
+def merged_groups(root: torch.nn.Module) -> list[tuple[torch.nn.Module, list[torch.nn.Module]]]:
+    """(module, its merged linears in row order) for every module whose projections were merged."""
+    out = []
+    for module in root.modules():
+        names = _GROUPS.get(type(module).__name__)
+        if names and getattr(module, MERGED_ATTR, None) is not None:
+            out.append((module, [getattr(module, n) for n in names if getattr(module, n, None) is not None]))
+    return out
+
+
+def restore_views(module: torch.nn.Module, linears: list[torch.nn.Module], where: str) -> list[str]:
+    """A weight given new storage after optimize() (``lin.weight.data = w``, a new Parameter,
+    ``load_state_dict(assign=True)``) is no longer a view of the merged weight the graphs read:
+    its values are copied into its rows of the merged weight, in place (the graphs, CUDA graphs
+    included, keep their addresses), and it becomes that view again (the same Parameter object
+    where it still is one). Returns the names restored. A weight of another shape, dtype or
+    device than its rows cannot be: a clear error, as HF's own linear would mostly fail too."""
+    merged = getattr(module, MERGED_ATTR)
+    scales = getattr(module, MERGED_SCALE_ATTR, None)
+    base = merged.untyped_storage().data_ptr()
+    todo, start = [], 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        for attr, whole in (("weight", merged), ("weight_scale", scales)):
+            if whole is None:
+                continue
+            view, w = whole[start:start + rows], getattr(lin, attr)
+            if w.data_ptr() == view.data_ptr() and w.shape == view.shape and w.dtype == view.dtype:
+                continue
+            if w.shape != view.shape or w.dtype != view.dtype or w.device != view.device:
+                raise RuntimeError(
+                    f"gemma4opt: {where}.{_name_in(module, lin)}.{attr} was replaced after optimize() by a tensor of "
+                    f"shape {tuple(w.shape)}, {w.dtype} on {w.device}; the optimized model holds it merged with its "
+                    f"siblings as {tuple(view.shape)}, {view.dtype} on {view.device}. Replace weights with ones of "
+                    "the same shape, dtype and device, or call gemma4opt.optimize(model) again after the change")
+            # a source inside the merged weight (two projections swapped) is read before it is overwritten
+            src = w.detach().clone() if w.untyped_storage().data_ptr() == base else w.detach()
+            todo.append((lin, attr, view, src))
+        start += rows
+    with torch.no_grad():
+        for _, _, view, src in todo:
+            view.copy_(src)
+    for lin, attr, view, _ in todo:
+        held = getattr(lin, attr)
+        if isinstance(held, torch.nn.Parameter):
+            held.data = view                # the Parameter the caller may hold stays the module's
+        else:
+            setattr(lin, attr, view)        # fp8 buffers
+    return sorted({f"{_name_in(module, lin)}.{attr}" for lin, attr, _, _ in todo})
+
+
+def _name_in(module, lin) -> str:
+    return next((n for n, m in module.named_children() if m is lin), "?")
+
+
 def _views_of(module, linears) -> bool:
     """True when the weights are still views into the module's merged weight. A ``.to()`` (or any
     move) after optimize() gives each weight its own storage and leaves the merged one behind:
