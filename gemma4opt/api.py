@@ -22,7 +22,7 @@ from gemma4opt.fixed_tensors import FixedTensors
 from gemma4opt.ops.fp8_weights import (foreign_projections, fp8_linears, fp8_lm_head, quantize_linears,
                                         quantize_lm_head)
 from gemma4opt.ops.state import OpState, active
-from gemma4opt.paged.forward import is_paged, paged_forward
+from gemma4opt.paged.forward import is_paged, paged_attention_on, paged_forward
 from gemma4opt.paged.install import check_paged_supported, install_paged
 from gemma4opt.paged.pool import kv_pool_dtype
 from gemma4opt.paged.step import StepContext
@@ -273,7 +273,8 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
         install_paged(model, target, state, device, dtype, edits)   # allocates the pool: may fail
         if state.decode_forward is not None:
             ctx = state.context
-            state.direct = DirectDecode(state, cfg.direct_decode, ctx.graph_signature, ctx.step_objects)
+            state.direct = DirectDecode(state, cfg.direct_decode, ctx.graph_signature, ctx.step_objects,
+                                        entering=functools.partial(paged_attention_on, state))
 
     gen = getattr(model, "generation_config", None)
     if gen is not None:

@@ -279,8 +279,9 @@ def _frame(fn, kwargs) -> dict:
 class DirectDecode:
     """One model's decode calls: through Dynamo, or through a learned Plan (module doc)."""
 
-    def __init__(self, state, enabled: bool, signature=None, step_objects=None):
+    def __init__(self, state, enabled: bool, signature=None, step_objects=None, entering=None):
         self.state, self.enabled = state, enabled
+        self.entering = entering or contextlib.nullcontext   # () -> the context Dynamo's calls run in
         self.signature = signature       # () -> the paged step's state the attention reads
         self.step_objects = step_objects  # () -> the paged step's tensor holders (Plan.groups)
         self.plan: Plan | None = None
@@ -306,7 +307,10 @@ class DirectDecode:
         plan = self.plan
         if plan is not None:
             # (verify: which compiled entry Dynamo would run, judged before the step as Dynamo does)
-            entry = _entry_passing(self.state.decode_forward, kwargs) if self.verify else None
+            entry = None
+            if self.verify:
+                with self.entering():
+                    entry = _entry_passing(self.state.decode_forward, kwargs)
             out = plan.run(kwargs)
             if out is not None:
                 if self.verify and entry is not plan.entry:
@@ -319,7 +323,8 @@ class DirectDecode:
         state = self.state
         compiled, state.last_decode_call = state.graphs_compiled, None
         self.entered += 1
-        out = state.decode_forward(**kwargs)
+        with self.entering():
+            out = state.decode_forward(**kwargs)
         call, state.last_decode_call = state.last_decode_call, None
         if self.enabled and self.depth and call is not None and state.graphs_compiled == compiled:
             self.plan = self._learn(call, kwargs, out)
@@ -338,7 +343,8 @@ class DirectDecode:
             self.not_learned[f"{type(e).__name__}: {e}"] += 1
             return None
         if self.verify:
-            plan.entry = _entry_passing(forward, kwargs)
+            with self.entering():
+                plan.entry = _entry_passing(forward, kwargs)
         return plan
 
     def describe(self) -> str:
