@@ -71,23 +71,23 @@ def merged_groups(root: torch.nn.Module) -> list[tuple[torch.nn.Module, list[tor
     return out
 
 
-def restore_views(module: torch.nn.Module, linears: list[torch.nn.Module], where: str) -> list[str]:
+def restore_views(module: torch.nn.Module, linears: list[torch.nn.Module], rows: list[int], where: str) -> list[str]:
     """A weight given new storage after optimize() (``lin.weight.data = w``, a new Parameter,
     ``load_state_dict(assign=True)``) is no longer a view of the merged weight the graphs read:
     its values are copied into its rows of the merged weight, in place (the graphs, CUDA graphs
     included, keep their addresses), and it becomes that view again (the same Parameter object
-    where it still is one). Returns the names restored. A weight of another shape, dtype or
-    device than its rows cannot be: a clear error, as HF's own linear would mostly fail too."""
+    where it still is one). ``rows``: each linear's rows in the merged weight, as merged (not read
+    from the weights: a replaced one may have others). Returns the names restored. A weight of
+    another shape, dtype or device than its rows cannot be: a clear error."""
     merged = getattr(module, MERGED_ATTR)
     scales = getattr(module, MERGED_SCALE_ATTR, None)
     base = merged.untyped_storage().data_ptr()
     todo, start = [], 0
-    for lin in linears:
-        rows = lin.weight.shape[0]
+    for lin, n in zip(linears, rows):
         for attr, whole in (("weight", merged), ("weight_scale", scales)):
             if whole is None:
                 continue
-            view, w = whole[start:start + rows], getattr(lin, attr)
+            view, w = whole[start:start + n], getattr(lin, attr)
             if w.data_ptr() == view.data_ptr() and w.shape == view.shape and w.dtype == view.dtype:
                 continue
             if w.shape != view.shape or w.dtype != view.dtype or w.device != view.device:
@@ -99,7 +99,7 @@ def restore_views(module: torch.nn.Module, linears: list[torch.nn.Module], where
             # a source inside the merged weight (two projections swapped) is read before it is overwritten
             src = w.detach().clone() if w.untyped_storage().data_ptr() == base else w.detach()
             todo.append((lin, attr, view, src))
-        start += rows
+        start += n
     with torch.no_grad():
         for _, _, view, src in todo:
             view.copy_(src)

@@ -21,11 +21,13 @@ from gemma4opt.patterns.merged_projections import merged_groups, restore_views
 class MergedWeightWatch:
     def __init__(self, root):
         names = {m: n for n, m in root.named_modules()}
-        self.groups = [(module, linears, names.get(module, "?")) for module, linears in merged_groups(root)]
+        # each linear's rows in its merged weight, as merged: a replaced weight may have other rows
+        self.groups = [(module, linears, [lin.weight.shape[0] for lin in linears], names.get(module, "?"))
+                       for module, linears in merged_groups(root)]
         # the dicts that hold each weight (parameters; buffers for fp8), read directly: Module.__getattr__
         # per weight would cost more than the compare
         self._holders = [lin._parameters if "weight" in lin._parameters else lin._buffers
-                         for _, linears, _ in self.groups for lin in linears]
+                         for _, linears, _, _ in self.groups for lin in linears]
         self._expect = self._addresses()
         self.restored: list[str] = []           # every weight restored, for the report
 
@@ -36,7 +38,7 @@ class MergedWeightWatch:
         """Copy any merged projection weight given new storage back into the merged weight."""
         if not self.groups or self._addresses() == self._expect:
             return
-        for module, linears, where in self.groups:
-            self.restored += [f"{where}.{n}" for n in restore_views(module, linears, where)
+        for module, linears, rows, where in self.groups:
+            self.restored += [f"{where}.{n}" for n in restore_views(module, linears, rows, where)
                               if f"{where}.{n}" not in self.restored]
         self._expect = self._addresses()

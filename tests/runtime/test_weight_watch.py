@@ -112,11 +112,13 @@ def test_the_callers_parameter_stays_the_models_and_a_view_of_the_merged_weight(
     assert torch.equal(merged[:held.shape[0]], 2 * new)
 
 
-def test_a_weight_of_another_shape_or_dtype_is_a_clear_error():
+@pytest.mark.parametrize("change", ["dtype", "rows"])
+def test_a_weight_of_another_shape_or_dtype_is_a_clear_error(change):
     model = tiny()
     gemma4opt.optimize(model)
-    lin = model.model.layers[0].self_attn.k_proj
-    lin.weight.data = lin.weight.data.double()
-    with pytest.raises(RuntimeError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight was replaced after "
-                                           r"optimize\(\).*torch\.float64.*same shape, dtype and device"):
+    lin = model.model.layers[0].self_attn.q_proj          # the first rows: fewer of them fit the merged slice
+    lin.weight.data = lin.weight.data.double() if change == "dtype" else lin.weight.data[:8].clone()
+    want = "torch.float64" if change == "dtype" else r"shape \(8, "
+    with pytest.raises(RuntimeError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight was replaced after "
+                                           rf"optimize\(\).*{want}.*same shape, dtype and device"):
         _run(model, prompt(1, 5))
