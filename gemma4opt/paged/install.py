@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import warnings
 
 import torch
 
@@ -37,6 +38,7 @@ def install_paged(model, target, state, device, dtype, edits) -> None:
             if not getattr(module, "is_kv_shared_layer", False):
                 owners.append(module.layer_idx)
     ctx.updating_layers = sorted(owners)     # the layers HF's attention calls cache.update on
+    layout = kv_layout(state.text_config)    # what the pool and its page tables were built for
     cache_kw = "cache" if "cache" in inspect.signature(state.original_forward).parameters else "past_key_values"
     original_generate = model.generate
 
@@ -48,6 +50,10 @@ def install_paged(model, target, state, device, dtype, edits) -> None:
                 if given.context is not ctx:
                     raise ValueError("gemma4opt: this PagedCache belongs to another model (or to this model before "
                                      "it was optimized again); pass the cache its own model returned, or none")
+                changed = layout_change(layout, state.text_config)
+                if changed:
+                    raise ValueError(f"gemma4opt: {changed}, so this PagedCache (made before) no longer fits the "
+                                     "model; start a new generate call without it")
                 check_generate_limits(ctx, model, args, kwargs, given)
                 with generating(state):
                     return original_generate(*args, **kwargs)
@@ -55,6 +61,14 @@ def install_paged(model, target, state, device, dtype, edits) -> None:
         gen = generation_config_of(model, kwargs)
         if gen is None or hf_generate_reason(target, gen) is not None or state.hooks.reason() is not None:
             return original_generate(*args, **kwargs)      # beam search, static cache, attentions...: HF's path
+        changed = layout_change(layout, state.text_config)
+        if changed:
+            # HF reads these at each call (its masks, its new cache): so does its path here
+            reason = f"{changed}: generate runs on HF's cache and attention"
+            if not state.fallbacks[reason]:
+                warnings.warn(f"gemma4opt: {reason}", stacklevel=2)
+            state.fallbacks[reason] += 1
+            return original_generate(*args, **kwargs)
         check_generate_limits(ctx, model, args, kwargs, None, gen)
         cache = PagedCache(ctx, state.text_config.num_hidden_layers)
         if getattr(gen, "is_assistant", False):
@@ -101,6 +115,28 @@ def _returned_cache(out):
         return None
     got = getattr(out, "cache", None)
     return got if got is not None else out.get("past_key_values") if hasattr(out, "get") else None
+
+
+# The text config's entries the paged pool, its page tables and the KV sharing were built for.
+_LAYOUT = ("sliding_window", "layer_types", "num_kv_shared_layers", "num_hidden_layers")
+
+
+def kv_layout(text_config) -> dict:
+    return {k: copy_value(getattr(text_config, k, None)) for k in _LAYOUT}
+
+
+def copy_value(v):
+    return list(v) if isinstance(v, (list, tuple)) else v
+
+
+def layout_change(layout: dict, text_config) -> str | None:
+    """Which of those the model's config has changed since optimize() (a caller's edit), or None."""
+    changed = [k for k, v in layout.items() if copy_value(getattr(text_config, k, None)) != v]
+    if not changed:
+        return None
+    return "the model's config changed " + ", ".join(
+        f"{k} ({layout[k]!r} -> {getattr(text_config, k, None)!r})" if k != "layer_types" else k for k in changed
+    ) + " after optimize()"
 
 
 # Generation settings whose forward calls need HF's unfused forward (api._FALLBACK_KWARGS).

@@ -347,3 +347,31 @@ def test_recording_rows_keep_the_window_a_crop_needs():
         else:
             with pytest.raises(ValueError, match="cannot drop 9 tokens"):
                 seqs.crop(rows, 9)
+
+
+def test_a_changed_sliding_window_runs_hfs_path_and_a_cache_made_before_is_refused():
+    """HF reads the config's sliding_window at each call (its masks, its new cache); the paged pool
+    was built for the value at optimize(): a changed one runs HF's cache and attention (counted),
+    with HF's tokens, and a paged cache made before the change is refused, not continued."""
+    ref = tiny("tiny")
+    model = copy.deepcopy(ref)
+    gemma4opt.optimize(model, PAGED)
+    ids = prompt(1, WINDOW + 3)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        before = model.generate(ids, return_dict_in_generate=True, **kw)
+        for m in (ref, model):
+            m.config.sliding_window = WINDOW // 2
+        want = ref.generate(ids, **kw)
+        assert not torch.equal(want, before.sequences)          # the change matters to HF
+        with pytest.warns(UserWarning, match=r"sliding_window \(8 -> 4\) after optimize\(\)"):
+            assert torch.equal(model.generate(ids, **kw), want)
+        fell = {k: v for k, v in model._gemma4opt.fallbacks.items() if "sliding_window" in k}
+        assert list(fell.values()) == [1]
+        with pytest.raises(ValueError, match="no longer fits the model"):
+            model.generate(before.sequences, past_key_values=before.past_key_values,
+                           attention_mask=torch.ones_like(before.sequences), max_new_tokens=2)
+        del before
+        model.config.sliding_window = WINDOW                    # back as it was: the paged path again
+        got = model.generate(ids, return_dict_in_generate=True, **kw)
+        assert isinstance(got.past_key_values, PagedCache)
