@@ -31,6 +31,7 @@ from gemma4opt.patterns.merged_projections import MERGED_ATTR
 from gemma4opt.runtime import decode_graphs
 from gemma4opt.runtime.direct_decode import DirectDecode
 from gemma4opt.runtime.hook_watch import HookWatch
+from gemma4opt.runtime.module_watch import ModuleTreeWatch
 from gemma4opt.runtime.weight_watch import MergedWeightWatch
 from gemma4opt.runtime.static_cache import install_static_cache_reuse
 from gemma4opt.runtime.stop_check import install_deferred_stop_check
@@ -76,6 +77,8 @@ class OptimizationState:
     decode_forward: Callable | None = None       # decode steps as CUDA graphs (static or paged cache)
     hooks: HookWatch | None = None               # module hooks changed after optimize(): HF's forward runs
     weights: MergedWeightWatch | None = None     # merged weights' views given new storage: copied back
+    modules: ModuleTreeWatch | None = None       # submodules replaced after optimize(): optimized again
+    gen_written: dict = field(default_factory=dict)   # generation-config fields optimize() set: (before, set)
     generating: int = 0                          # generate calls under way (nested: an assistant's)
     direct: DirectDecode | None = None           # paged decode steps that skip Dynamo's entry (runtime/direct_decode.py)
     last_decode_call: tuple | None = None        # (graph, inputs, outputs) of the last replay, for ``direct``
@@ -198,10 +201,12 @@ def _revert(model) -> None:
     state.context = None      # the KV pool goes with the state
 
 
-def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) -> None:
+def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits, configs=None) -> None:
+    """``configs``: when optimizing again (_reoptimize), the model's config copies as they were and
+    the generation-config fields the last install set (their values before), to start from."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    own_configs(model, edits)       # first: everything below writes to the model's own copies
+    own_configs(model, edits, configs)   # first: everything below writes to the model's own copies
     text_config = model.config.get_text_config()
     if user_config.attention == "auto":
         attention, mode_reason = choose_attention(device.type, dtype, text_config, user_config.kv_cache_dtype)
@@ -278,8 +283,10 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
 
     gen = getattr(model, "generation_config", None)
     if gen is not None:
+        state.gen_written["disable_compile"] = (gen.disable_compile, True)
         gen.disable_compile = True      # our forward is already compiled; HF must not wrap it again
         if cfg.cache == "static" and not paged and gen.cache_implementation is None:
+            state.gen_written["cache_implementation"] = (None, "static")
             gen.cache_implementation = "static"
     if cfg.cuda_graphs:
         install_static_cache_reuse(model, state, edits)
@@ -300,11 +307,12 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits) 
         edits.set(model, "save_pretrained", _refuse_save)
     for p in enabled:
         p.prepare(target, text_config)
-    edits.set(target, "forward", _make_forward(target, state))
+    edits.set(target, "forward", _make_forward(model, target, state))
     edits.set(model, "_apply", _make_apply(model))
     edits.set(model, "_gemma4opt", state)
     state.hooks = HookWatch(target)       # last: the module tree as it runs (fp8 linears swapped in)
     state.weights = MergedWeightWatch(target)
+    state.modules = ModuleTreeWatch(target)
 
 
 def _refuse_save_sharded(*args, **kwargs):
@@ -325,23 +333,45 @@ def _make_apply(model):
     optimize() again for the new device and dtype (merged weights merged again, as views; a new
     KV pool; graphs compiled anew). A call that changes nothing keeps everything."""
     def _apply(fn, *args, **kwargs):
-        state = model._gemma4opt
         before = _placement(model)
         out = type(model)._apply(model, fn, *args, **kwargs)
-        if _placement(model) == before:
-            return out                      # nothing moved: graphs, pool and merged weights stand
-        _revert(model)
-        edits = InstanceEdits()
-        try:
-            _install(model, _check_model(model), state.user_config, edits)
-        except BaseException as e:
-            edits.revert()
-            warnings.warn(f"gemma4opt: after the move the model could not be optimized again ({e}); it runs HF's "
-                          "own forward now: call gemma4opt.optimize(model, config) for this device and dtype",
-                          stacklevel=3)
+        if _placement(model) != before:     # else nothing moved: graphs, pool and merged weights stand
+            _reoptimize(model, "after the move", "for this device and dtype", stacklevel=4)
         return out
 
     return _apply
+
+
+def _reoptimize(model, when: str, hint: str, stacklevel: int) -> None:
+    """The same optimize() again, for the model as it is now: its configs as the caller left
+    them (edits made to the model's copies since optimize() stay; the fields optimize() set on
+    the generation config are set anew), its modules, device and dtype."""
+    state = model._gemma4opt
+    configs = (model.config, getattr(model, "generation_config", None), dict(state.gen_written))
+    _revert(model)
+    edits = InstanceEdits()
+    try:
+        _install(model, _check_model(model), state.user_config, edits, configs)
+    except BaseException as e:
+        edits.revert()
+        own_configs(model, InstanceEdits(), configs)     # HF's from now on: the caller's edits stay
+        warnings.warn(f"gemma4opt: {when} the model could not be optimized again ({e}); it runs HF's own forward "
+                      f"now: call gemma4opt.optimize(model, config) {hint}", stacklevel=stacklevel)
+
+
+def _watch_edits(model, state) -> bool:
+    """Before a generate call, or a forward outside one: submodules replaced since optimize()
+    re-optimize the model (True: call its new entry point); merged weights given new storage
+    are copied back (runtime/weight_watch.py)."""
+    replaced = state.modules.replaced()
+    if replaced:
+        warnings.warn(f"gemma4opt: {', '.join(replaced[:3])}{', ...' if len(replaced) > 3 else ''} replaced after "
+                      "optimize(): the model is optimized again for its new modules (graphs compiled anew)",
+                      stacklevel=4)
+        _reoptimize(model, "with its new modules", "again", stacklevel=5)
+        return True
+    state.weights.check()
+    return False
 
 
 def _placement(model):
@@ -368,8 +398,9 @@ def _install_generate_checks(model, state, edits: InstanceEdits) -> None:
             ids = kwargs.get("inputs_embeds")
         if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] == 0:
             _no_tokens(ids)
-        state.weights.check()
-        state.generating += 1           # its forward calls skip the check (runtime/weight_watch.py)
+        if _watch_edits(model, state):
+            return model.generate(*args, **kwargs)    # optimized again: its new generate
+        state.generating += 1           # its forward calls skip the checks (runtime/weight_watch.py)
         try:
             return original(*args, **kwargs)
         finally:
@@ -392,7 +423,7 @@ def _own_code_entry(fn):
     return types.FunctionType(code, entry.__globals__, code.co_name, entry.__defaults__, entry.__closure__)
 
 
-def _make_forward(target, state: OptimizationState):
+def _make_forward(model, target, state: OptimizationState):
     original = state.original_forward
 
     @functools.wraps(original)
@@ -404,8 +435,8 @@ def _make_forward(target, state: OptimizationState):
         ids = step_input(args, kwargs)
         if ids is not None and ids.dim() >= 2 and ids.shape[1] == 0:
             _no_tokens(ids)
-        if not state.generating:
-            state.weights.check()
+        if not state.generating and _watch_edits(model, state):
+            return target.forward(*args, **kwargs)    # optimized again: its new forward
         reason = _fallback_reason(target, kwargs) or state.hooks.reason()
         paged = state.context is not None and is_paged(cache_of(kwargs))
         if paged and reason is not None:

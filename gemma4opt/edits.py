@@ -40,14 +40,17 @@ class InstanceEdits:
                 obj.__dict__[name] = old
 
 
-def own_configs(model, edits: InstanceEdits) -> None:
+def own_configs(model, edits: InstanceEdits, base=None) -> None:
     """Give the model (and every module that holds one of its configs) private copies of its
     config and generation config: what optimize() writes there must not reach another model
-    built from the same config object."""
+    built from the same config object. ``base`` = (config, generation config, {field: (value before
+    optimize() set it, value it set)}): the copies made from those instead (optimized again: the
+    caller's edits to the earlier copies stay; optimize()'s own writes, where still there, are
+    undone)."""
     from transformers import PretrainedConfig
 
     old = model.config
-    new = copy.deepcopy(old)
+    new = copy.deepcopy(old if base is None else base[0])
     mapping = {id(old): new}
 
     def walk(o, n):
@@ -61,6 +64,10 @@ def own_configs(model, edits: InstanceEdits) -> None:
         held = module.__dict__.get("config")
         if held is not None and id(held) in mapping:
             edits.set(module, "config", mapping[id(held)])
-    gen = getattr(model, "generation_config", None)
+    gen = getattr(model, "generation_config", None) if base is None else base[1]
     if gen is not None:
-        edits.set(model, "generation_config", copy.deepcopy(gen))
+        gen = copy.deepcopy(gen)
+        for name, (before, written) in (base[2] if base is not None else {}).items():
+            if getattr(gen, name, None) == written:
+                setattr(gen, name, before)
+        edits.set(model, "generation_config", gen)

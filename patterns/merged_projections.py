@@ -39,8 +39,12 @@ _GROUPS = {"Gemma4TextAttention": ("q_proj", "k_proj", "v_proj"), "Gemma4TextMLP
 def _merge(module: torch.nn.Module, names: tuple[str, ...]) -> None:
     linears = [getattr(module, n, None) for n in names]
     linears = [lin for lin in linears if lin is not None]
-    if (len(linears) < 2 or any(lin.bias is not None or foreign_linear(lin) for lin in linears)
-            or _views_of(module, linears)):
+    if len(linears) < 2 or any(foreign_linear(lin) or lin.bias is not None for lin in linears):
+        # (optimized again after a projection was swapped for another kind: no longer merged)
+        module.__dict__.pop(MERGED_ATTR, None)
+        module.__dict__.pop(MERGED_SCALE_ATTR, None)
+        return
+    if _views_of(module, linears):
         return
     fp8 = [isinstance(lin, Fp8Linear) for lin in linears]
     if any(fp8) and not all(fp8):

@@ -32,8 +32,9 @@ def install_paged(model, target, state, device, dtype, edits) -> None:
     ctx = StepContext(state.text_config, state.config, device, dtype, state.fixed, shard=state.shard)
     state.context = ctx
     owners = []
-    for module in target.modules():
+    for path, module in target.named_modules():
         if type(module).__name__ == "Gemma4TextAttention":
+            _share_text_config(module, path, state.text_config, edits)
             edits.set(module, "_gemma4opt_ctx", ctx)
             if not getattr(module, "is_kv_shared_layer", False):
                 owners.append(module.layer_idx)
@@ -102,6 +103,23 @@ def install_paged(model, target, state, device, dtype, edits) -> None:
                 return outer(*args, **kwargs)
 
         edits.set(model, "forward", forward)
+
+
+def _share_text_config(module, path, text_config, edits) -> None:
+    """An attention module reads its attention function's name from its own config, which the
+    paged calls name gemma4opt's attention on: one holding another config object (swapped in from
+    another model) is given the model's, when their values agree, and refused otherwise."""
+    held = module.__dict__.get("config")
+    if held is None or held is text_config:
+        return
+    ours, theirs = text_config.to_dict(), held.to_dict()
+    diff = sorted(k for k in set(ours) | set(theirs)
+                  if ours.get(k) != theirs.get(k) and not k.startswith("_attn_implementation"))
+    if diff:
+        raise ValueError(f"gemma4opt paged attention: {path} holds a config of its own that differs from the "
+                         f"model's ({', '.join(diff[:3])}); give it the model's config, or optimize with "
+                         "attention='hf'")
+    edits.set(module, "config", text_config)
 
 
 def generating(state):
