@@ -32,7 +32,7 @@ from gemma4opt.runtime import decode_graphs
 from gemma4opt.runtime.direct_decode import DirectDecode
 from gemma4opt.runtime.hook_watch import HookWatch
 from gemma4opt.runtime.module_watch import ModuleTreeWatch
-from gemma4opt.runtime.weight_watch import MergedWeightWatch
+from gemma4opt.runtime.weight_watch import MergedWeightWatch, TiedHeadWatch
 from gemma4opt.runtime.static_cache import install_static_cache_reuse
 from gemma4opt.runtime.stop_check import install_deferred_stop_check
 from gemma4opt.step_inputs import cache_of, one_token_step, step_input
@@ -78,6 +78,7 @@ class OptimizationState:
     hooks: HookWatch | None = None               # module hooks changed after optimize(): HF's forward runs
     weights: MergedWeightWatch | None = None     # merged weights' views given new storage: copied back
     modules: ModuleTreeWatch | None = None       # submodules replaced after optimize(): optimized again
+    head: TiedHeadWatch | None = None            # fp8 lm_head copy of a tied table: quantized again on edits
     gen_written: dict = field(default_factory=dict)   # generation-config fields optimize() set: (before, set)
     generating: int = 0                          # generate calls under way (nested: an assistant's)
     direct: DirectDecode | None = None           # paged decode steps that skip Dynamo's entry (runtime/direct_decode.py)
@@ -313,6 +314,7 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits, 
     state.hooks = HookWatch(target)       # last: the module tree as it runs (fp8 linears swapped in)
     state.weights = MergedWeightWatch(target)
     state.modules = ModuleTreeWatch(target)
+    state.head = TiedHeadWatch(model)
 
 
 def _refuse_save_sharded(*args, **kwargs):
@@ -371,6 +373,7 @@ def _watch_edits(model, state) -> bool:
         _reoptimize(model, "with its new modules", "again", stacklevel=5)
         return True
     state.weights.check()
+    state.head.check()
     return False
 
 

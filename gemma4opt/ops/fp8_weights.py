@@ -165,7 +165,12 @@ def quantize_lm_head(model: torch.nn.Module) -> dict[str, int]:
         why = "the model has no output embeddings" if head is None else _unsupported(head)
         if why:
             return {f"skipped: lm_head, {why}": 1}
-        model.set_output_embeddings(Fp8Linear.from_linear(head))
+        table = getattr(model, "get_input_embeddings", lambda: None)()
+        fp8 = Fp8Linear.from_linear(head)
+        # tied: HF's head reads the embedding table itself, so edits of the table reach it
+        # (runtime/weight_watch.py's TiedHeadWatch quantizes them into this copy again)
+        fp8.tied_table = table is not None and getattr(table, "weight", None) is head.weight
+        model.set_output_embeddings(fp8)
     return {"Fp8Linear lm_head": 1}
 
 

@@ -15,6 +15,10 @@ graph is compiled or captured again. The check is one address compare per projec
 """
 from __future__ import annotations
 
+import torch
+
+from gemma4opt.ops.fp8 import quantize_weight_reference
+from gemma4opt.ops.fp8_weights import Fp8Linear
 from gemma4opt.patterns.merged_projections import merged_groups, restore_views
 
 
@@ -42,3 +46,34 @@ class MergedWeightWatch:
             self.restored += [f"{where}.{n}" for n in restore_views(module, linears, rows, where)
                               if f"{where}.{n}" not in self.restored]
         self._expect = self._addresses()
+
+
+class TiedHeadWatch:
+    """quantize_lm_head on a tied model: the fp8 lm_head is a quantized copy of the embedding
+    table, where HF's tied head reads the table itself. An edit of the table since (in place: its
+    version counter moves; or new storage) is quantized into the copy again, in place, before the
+    next call, as above."""
+
+    def __init__(self, model):
+        head = getattr(model, "get_output_embeddings", lambda: None)()
+        table = getattr(model, "get_input_embeddings", lambda: None)()
+        tied = isinstance(head, Fp8Linear) and getattr(head, "tied_table", False) and table is not None
+        self.head, self.holder = (head, table._parameters) if tied else (None, None)
+        self._seen = self._state()
+        self.requantized = 0
+
+    def _state(self):
+        if self.holder is None:
+            return None
+        t = self.holder["weight"]
+        return t.data_ptr(), t._version
+
+    def check(self) -> None:
+        if self.holder is None or self._state() == self._seen:
+            return
+        with torch.no_grad():
+            q, s = quantize_weight_reference(self.holder["weight"])
+            self.head.weight.copy_(q)
+            self.head.weight_scale.copy_(s)
+        self.requantized += 1
+        self._seen = self._state()

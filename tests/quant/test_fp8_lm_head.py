@@ -80,3 +80,34 @@ def test_cannot_be_undone_and_survives_to():
     assert isinstance(model.get_output_embeddings(), Fp8Linear)
     _generate(model, prompt(1, 5), 2)
     assert gemma4opt.report(model, print_table=False).row("logit_softcap").matched == 1
+
+
+@pytest.mark.parametrize("how", ["in place", "new storage"])
+@pytest.mark.parametrize("attention", ["hf", "paged"])
+def test_an_edited_embedding_table_reaches_the_tied_fp8_head(attention, how):
+    """HF's tied lm_head reads the embedding table itself: an edit of the table after optimize()
+    gives what the same edit before optimize() gives (runtime/weight_watch.py TiedHeadWatch)."""
+    model = tiny("tiny")
+    ids = prompt(2, 11)
+
+    def edit(m):
+        table = m.get_input_embeddings().weight
+        with torch.no_grad():
+            if how == "in place":
+                table[: table.shape[0] // 2].mul_(-3)
+            else:
+                table.data = table.data.flip(0).clone()
+
+    before = copy.deepcopy(model)
+    edit(before)
+    cfg = gemma4opt.Gemma4OptConfig(attention=attention, **FP8_HEAD)
+    gemma4opt.optimize(before, cfg)
+    gemma4opt.optimize(model, cfg)
+    untouched = _generate(model, ids)
+    edit(model)
+    want = _generate(before, ids)
+    assert not torch.equal(want, untouched)
+    assert torch.equal(_generate(model, ids), want)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before(ids).logits)
+    assert model._gemma4opt.head.requantized == 1
