@@ -8,7 +8,7 @@ import torch
 
 import gemma4opt
 from tests.models import prompt, tiny
-from tests.runtime.test_paged_graphs import _optimize_with_stand_ins
+from tests.runtime.test_weight_watch import _optimize
 
 
 def _run(model, ids, **kw):
@@ -46,13 +46,6 @@ def _wrap_up_proj(m, src):
 
 
 SWAPS = {"linear": _swap_linear, "mlp": _swap_mlp, "attention": _swap_attention, "wrapper": _wrap_up_proj}
-
-
-def _optimize(monkeypatch, model, mode):
-    if mode == "paged":
-        _optimize_with_stand_ins(monkeypatch, model)
-    else:
-        gemma4opt.optimize(model)
 
 
 @pytest.mark.parametrize("mode", ["hf", "paged"])
