@@ -62,7 +62,8 @@
 #              the host's waits (the deferred stop check's blocking event) show beside its work (limit 480 s: at
 #              190 s the warm-up under the sampler had not ended).
 #   direct-decode  decode steps that skip Dynamo's entry (direct_decode) against every step through it: the GPU
-#              tests of the direct path (tiny variants, each direct step checked against Dynamo's guards; 200 s),
+#              tests of the direct path (tiny variants, each direct step checked against Dynamo's guards), of
+#              weights and modules replaced after optimize() and of a restrided weight (300 s),
 #              then the e4b's host work alone per step at full depth in bf16 (profile_host.py --skip-replay), with
 #              and without (limits 150 / 130 s). direct-e4b: the e4b at batch 1 beside eager and HF static + compile,
 #              bf16 and fp8 weights + lm_head, each with and without (560 s). direct-26b: the 26b-a4b at batch 1
@@ -460,7 +461,7 @@ for s in "$@"; do
             --skip-replay --full --json "$OUT/host.jsonl"
       stage host-full-e4b 200 python3 benchmarks/profile_host.py --preset e4b --skip-replay --full --json "$OUT/host.jsonl" ;;
     direct-decode)
-      stage direct-tests 200 $PYTEST tests/gpu/test_gpu_generate.py -k direct
+      stage direct-tests 300 $PYTEST tests/gpu/test_gpu_generate.py -k "direct or replaced_after or restrided"
       HOST="python3 benchmarks/profile_host.py --preset e4b --layers 42 --skip-replay"
       stage direct-host 150 $HOST --json "$OUT/host.jsonl"
       stage direct-host-off 130 $HOST --no-direct --json "$OUT/host.jsonl" ;;

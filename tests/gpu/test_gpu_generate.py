@@ -168,3 +168,51 @@ def test_direct_decode_steps_pass_dynamos_guards_on_cuda():
             assert torch.equal(direct.generate(ids, **kw), through.generate(ids, **kw)), (batch, length)
     assert d.steps > (47 + 23), d.describe()       # most of the 140 decode steps
     assert not d.not_learned and through._gemma4opt.direct.steps == 0, d.describe()
+
+
+@pytest.mark.parametrize("mode", ["hf", "paged"])
+def test_weights_and_modules_replaced_after_optimize_on_cuda(mode):
+    """Decode as CUDA graphs (hf: the tiny model in fp32 on a static cache; paged: the demo preset in
+    bf16 with FlashInfer and direct decode steps): a merged projection's weight given new storage
+    (runtime/weight_watch.py: copied into the merged weight in place, the graphs' addresses kept) and a
+    replaced MLP (runtime/module_watch.py: optimized again) give what the same edits made before
+    optimize() give."""
+    import copy
+
+    if mode == "paged":
+        pytest.importorskip("flashinfer")
+        base = build_model("demo", dtype=torch.bfloat16, device="cuda")
+        cfg = gemma4opt.Gemma4OptConfig(attention="paged", max_batch_size=2, max_seq_len=128)
+    else:
+        base, cfg = build_model("tiny", device="cuda"), None
+    other = build_model("demo" if mode == "paged" else "tiny", dtype=base.dtype, device="cuda", seed=5)
+    ids = prompt(2, 12).cuda()
+
+    def new_weight(m):
+        lin = m.model.layers[1].self_attn.q_proj
+        lin.weight.data = other.model.layers[1].self_attn.q_proj.weight.detach().clone()
+
+    def new_mlp(m):
+        m.model.layers[0].mlp = copy.deepcopy(other.model.layers[0].mlp)
+
+    model = copy.deepcopy(base)
+    gemma4opt.optimize(model, cfg)
+    _gen(model, ids, 16)
+    for edit in (new_weight, new_mlp):
+        before = copy.deepcopy(base)
+        new_weight(before)
+        if edit is new_mlp:
+            new_mlp(before)
+        gemma4opt.optimize(before, cfg)
+        edit(model)
+        want = _gen(before, ids, 16)
+        if edit is new_mlp:
+            with pytest.warns(UserWarning, match="replaced after optimize"):
+                got = _gen(model, ids, 16)
+        else:
+            got = _gen(model, ids, 16)
+        assert torch.equal(got, want), edit.__name__
+        assert torch.equal(_gen(model, ids, 16), want), edit.__name__      # replayed graphs
+        del before
+    rep = gemma4opt.report(model, print_table=False)
+    assert rep.graphed_calls > 0 and all(r.complete for r in rep.rows), str(rep)
