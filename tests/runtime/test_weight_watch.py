@@ -1,5 +1,6 @@
 """Merged projection weights given new storage after optimize() reach the graphs
 (runtime/weight_watch.py): tokens and logits equal HF's with the same change, in every mode."""
+import contextlib
 import copy
 
 import pytest
@@ -82,8 +83,9 @@ def test_replaced_weights_give_hfs_tokens(monkeypatch, mode, edit):
     assert ("copied into the merged weights" in str(rep)) == (edit != "norm")
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_a_forward_outside_generate_sees_a_replaced_weight(variant):
+def assert_forward_sees(edit, variant="tiny", expect=None):
+    """A forward outside generate after ``edit`` (made on the optimized model and an HF copy) gives
+    HF's logits; ``expect``: the context the edited call runs in (a pytest.warns)."""
     ref = tiny(variant)
     model = copy.deepcopy(ref)
     gemma4opt.optimize(model)
@@ -91,8 +93,15 @@ def test_a_forward_outside_generate_sees_a_replaced_weight(variant):
     with torch.no_grad():
         model(ids)
         for m in (ref, model):
-            _replace_data(m)
-        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+            edit(m)
+        with expect or contextlib.nullcontext():
+            got = model(ids).logits
+        torch.testing.assert_close(got, ref(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_forward_outside_generate_sees_a_replaced_weight(variant):
+    assert_forward_sees(_replace_data, variant)
 
 
 def test_the_callers_parameter_stays_the_models_and_a_view_of_the_merged_weight():
