@@ -43,20 +43,30 @@ MAX_SPLITS = 64
 # bf16 tiles as raw integers: there the loop is a while loop and tiles are multiplied in fp32.
 # The compiled kernel keeps the for loop (Triton software-pipelines it, not a while loop).
 _COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
+_EARLY = {"on": True}
+
+
+def set_early_reads(on: bool) -> None:
+    """Whether the split kernel reads its first tile's past tokens before the PDL wait (read at each
+    launch, captured with a graph; off only for A/B runs: bench_generate's -late-kv systems)."""
+    _EARLY["on"] = bool(on)
 
 
 @triton.jit
-def _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, scale, m_i, l_i, acc, d,
-          PS: tl.constexpr, BLOCK_N: tl.constexpr, COMPILED: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
-          V_WIDE: tl.constexpr):
-    """One BLOCK_N-token tile of the online softmax (tokens gathered through the page table); with
-    an fp8 pool the tiles take q's dtype, which the caller may have made fp16 (F16 below)."""
-    t = t0 + tl.arange(0, BLOCK_N)
-    tmask = t < end
+def _load_kv(KV, TABLE, row_base, ring, t, tmask, kh, s_page, s_kv, s_tok, s_head, d, PS: tl.constexpr):
+    """The K and V rows of tokens t (masked: 0) gathered through the page table."""
     page = tl.load(TABLE + row_base + (t // PS) % ring, mask=tmask, other=0)
     base = page.to(tl.int64) * s_page + (t % PS) * s_tok + kh * s_head
     k = tl.load(KV + base[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
     v = tl.load(KV + s_kv + base[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend(q, k, v, tmask, scale, m_i, l_i, acc, COMPILED: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+            V_WIDE: tl.constexpr):
+    """One tile of the online softmax over loaded K/V rows (tmask: the tile's real tokens, at least
+    one); with an fp8 pool the tiles take q's dtype, which the caller may have made fp16 (F16 below)."""
     if FP8:         # e4m3 -> the queries' dtype, exactly; the scales are applied by the caller
         k, v = k.to(q.dtype), v.to(q.dtype)
         if V_WIDE:
@@ -88,20 +98,35 @@ def _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head
 
 
 @triton.jit
+def _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, scale, m_i, l_i, acc, d,
+          PS: tl.constexpr, BLOCK_N: tl.constexpr, COMPILED: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+          V_WIDE: tl.constexpr):
+    """One BLOCK_N-token tile of the online softmax, loaded and attended."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    tmask = t < end
+    k, v = _load_kv(KV, TABLE, row_base, ring, t, tmask, kh, s_page, s_kv, s_tok, s_head, d, PS)
+    return _attend(q, k, v, tmask, scale, m_i, l_i, acc, COMPILED, IEEE, FP8, V_WIDE)
+
+
+@triton.jit
 def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE,
                          sq_b, sq_h, s_page, s_kv, s_tok, s_head, s_table, ring, so_b, so_h, sp_b, sp_h, sp_s,
                          sl_b, sl_h, window, scale,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
                          BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, TOKENS: tl.constexpr, COMPILED: tl.constexpr,
                          IEEE: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr, V_WIDE: tl.constexpr,
-                         PDL: tl.constexpr):
-    pdl_prologue(PDL)
+                         EARLY: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    qk_scale = scale
-    if FP8:         # k's scale multiplies every score: folded into the softmax scale
-        qk_scale = scale * tl.load(KV_SCALE)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
+    # Before the PDL wait (EARLY), while the kernel before this one still runs: the lengths and
+    # page table (step inputs, copied in before the step's first kernel) and this split's first
+    # tile of K/V rows written by earlier steps. What this step wrote (its TOKENS new tokens per
+    # sequence: the previous kernel appends them) and q are read after it. A kernel that passed its
+    # wait has its predecessors complete (each waits before it lets its dependents in), so only the
+    # kernel right before this one can still be writing.
+    if not EARLY:
+        pdl_prologue(PDL)
     kv_len = tl.load(LENS + b)
     row_base = (b // TOKENS) * s_table      # TOKENS query rows (a sequence's new tokens) share a table row
     lo = 0
@@ -110,9 +135,24 @@ def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE,
     chunk = tl.cdiv(tl.cdiv(kv_len - lo, NSPLIT), BLOCK_N) * BLOCK_N
     start = lo + sp * chunk
     end = tl.minimum(start + chunk, kv_len)
+    d = tl.arange(0, D)
+    t = start + tl.arange(0, BLOCK_N)
+    first = t < tl.minimum(start + BLOCK_N, end)        # the first tile's tokens
+    fresh = kv_len - TOKENS                             # tokens from here on were written this step
+    if EARLY:
+        k, v = _load_kv(KV, TABLE, row_base, ring, t, first & (t < fresh), kh, s_page, s_kv, s_tok, s_head, d, PS)
+        pdl_prologue(PDL)
+        k_new, v_new = _load_kv(KV, TABLE, row_base, ring, t, first & (t >= fresh), kh, s_page, s_kv, s_tok, s_head,
+                                d, PS)
+        k = tl.where((t >= fresh)[:, None], k_new, k)
+        v = tl.where((t >= fresh)[:, None], v_new, v)
+    else:
+        k, v = _load_kv(KV, TABLE, row_base, ring, t, first, kh, s_page, s_kv, s_tok, s_head, d, PS)
+    qk_scale = scale
+    if FP8:         # k's scale multiplies every score: folded into the softmax scale
+        qk_scale = scale * tl.load(KV_SCALE)
 
     g = tl.arange(0, G_PAD)
-    d = tl.arange(0, D)
     gmask = g < GROUP
     heads = kh * GROUP + g
     q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=gmask[:, None], other=0.0)
@@ -121,12 +161,14 @@ def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE,
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
+    if start < end:         # a split past the end has no first tile (and no later ones)
+        m_i, l_i, acc = _attend(q, k, v, first, qk_scale, m_i, l_i, acc, COMPILED, IEEE, FP8, V_WIDE)
     if COMPILED:
-        for t0 in range(start, end, BLOCK_N):
+        for t0 in range(start + BLOCK_N, end, BLOCK_N):
             m_i, l_i, acc = _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, qk_scale,
                                   m_i, l_i, acc, d, PS, BLOCK_N, COMPILED, IEEE, FP8, V_WIDE)
     else:
-        t0 = start
+        t0 = start + BLOCK_N
         while t0 < end:
             m_i, l_i, acc = _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, qk_scale,
                                   m_i, l_i, acc, d, PS, BLOCK_N, COMPILED, IEEE, FP8, V_WIDE)
@@ -242,7 +284,8 @@ def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, 
         lse.stride(0), lse.stride(1), window, scale,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, PS=ps, BLOCK_N=cfg["block_n"], NSPLIT=n,
         TOKENS=tokens, COMPILED=_COMPILED, IEEE=q.dtype == torch.float32, FP8=fp8, F16=f16,
-        V_WIDE=bool(cfg.get("v_wide", True)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        V_WIDE=bool(cfg.get("v_wide", True)), EARLY=bool(cfg.get("early", _EARLY["on"])), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         **pdl_flags(out))
     if n > 1:

@@ -62,3 +62,51 @@ def test_decode_kernel_matches_reference_at_real_dims(head_dim, heads, kv_heads,
                                          1.0)
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
     print(f"D={head_dim} G={heads // kv_heads} batch {batch}: {decode_splits(batch, kv_heads, sms)} splits ok")
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("window", [0, 64])
+def test_step_tokens_appended_by_the_previous_kernel_are_read_after_its_end(tokens, window, fp8):
+    # In a CUDA graph with programmatic dependent launch the decode kernel starts while kv_append,
+    # the kernel before it, still runs, and reads past tokens then. Every replay appends new values
+    # at the same slots: a new token read too early would hold the previous replay's values.
+    from gemma4opt.kernels import _util
+    from gemma4opt.kernels.kv_append import kv_append_triton
+
+    torch.manual_seed(tokens + window)
+    ps, kvh, heads, D, dev, dt = 16, 2, 8, 256, "cuda", torch.bfloat16
+    lens = [37, 130, 16 + tokens]                  # after the step; a new token opening a page
+    B, ring = len(lens), max(-(-n // ps) for n in lens)
+    table = torch.randperm(B * ring, device=dev).view(B, ring).to(torch.int32)
+    kv = torch.randn(B * ring, 2, ps, kvh, D, device=dev, dtype=dt)
+    scales = torch.tensor([0.5, 2.0], device=dev) if fp8 else None
+    if fp8:
+        kv = kv.to(torch.float8_e4m3fn)
+    pos = torch.tensor([n - tokens + t for n in lens for t in range(tokens)], device=dev)
+    slots = (table.repeat_interleave(tokens, 0).gather(1, (pos // ps)[:, None].int())[:, 0] * ps + pos % ps).int()
+    rows = torch.tensor([n - tokens + t + 1 for n in lens for t in range(tokens)], device=dev, dtype=torch.int32)
+    k_new, v_new = (torch.empty(B, tokens, kvh, D, device=dev, dtype=dt) for _ in range(2))
+    q = torch.empty(B * tokens, heads, D, device=dev, dtype=dt)
+    index = torch.arange(B * tokens, device=dev, dtype=torch.int32)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def step():
+        kv_append_triton(kv, k_new, v_new, slots, index, scales)
+        return paged_decode_triton(q, kv, table, rows, window, 1.0, sms, tokens=tokens, kv_scale=scales)
+
+    assert _util.pdl_flags(q).get("PDL"), "needs a GPU with programmatic dependent launch (sm_90+)"
+    for t in (k_new, v_new, q):
+        t.normal_()
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(10):
+        for t in (k_new, v_new, q):
+            t.normal_()
+        graph.replay()
+        want = paged_decode_triton(q, kv, table, rows, window, 1.0, sms, tokens=tokens, config={"early": False},
+                                   kv_scale=scales)
+        assert torch.equal(out, want)

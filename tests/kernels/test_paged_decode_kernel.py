@@ -183,3 +183,17 @@ def test_fp8_pool_needs_scales():
     with pytest.raises(ValueError, match="needs kv_scale"):
         paged_decode_triton(torch.zeros(1, 2, 16), torch.zeros(1, 2, 4, 1, 16).to(torch.float8_e4m3fn),
                             torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0, 1.0, 4)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_first_tile_read_before_or_after_the_wait_same_bits(case):
+    # EARLY reads the first tile's past tokens before the PDL wait and this step's own after it
+    # (two masked loads); without it, one load. Same values either way, here with one new token.
+    lens, ps, H, kvh, D, window, splits, ring = case
+    g = torch.Generator().manual_seed(sum(lens) + 7)
+    kv, table, _ = _batch(lens, ps, kvh, D, torch.float32, window, g, ring)
+    q = torch.randn(len(lens), H, D, generator=g)
+    dev = [t.to(DEVICE) for t in (q, kv, table, torch.tensor(lens, dtype=torch.int32))]
+    early = paged_decode_triton(*dev, window=window, scale=0.6, num_sms=4, splits=splits)
+    late = paged_decode_triton(*dev, window=window, scale=0.6, num_sms=4, splits=splits, config={"early": False})
+    assert torch.equal(early, late)
