@@ -466,12 +466,16 @@ for s in "$@"; do
       stage direct-host 150 $HOST --json "$OUT/host.jsonl"
       stage direct-host-off 130 $HOST --no-direct --json "$OUT/host.jsonl" ;;
     early-kv)
-      # The decode attention kernel reading its first tile's past tokens before the PDL wait: its GPU tests (the
-      # appended tokens under replays; real dims; fp8 pool) and the direct-decode ones (300 s); the same hazard
-      # test on a copy whose kernel reads this step's tokens early too, which must fail (90 s); then early
-      # against late reads, bf16 and fp8 pools, batch 1-32, context 160 and 4096 (150 s).
-      stage early-kv-tests 300 $PYTEST tests/gpu/test_gpu_decode_kernel.py tests/gpu/test_gpu_fp8_kv.py \
-            tests/gpu/test_gpu_generate.py -k "decode_kernel or appended or fp8 or direct or replaced_after or restrided"
+      # Reads moved before the PDL wait: the decode attention kernel's lengths, page table and first tile of past
+      # tokens, the Triton GEMMs' first weight tile. Their GPU tests (the appended tokens under graph replays, the
+      # decode kernel at real dims and over fp8 pools, the GEMMs early against late and a PDL chain against plain
+      # launches) and the direct-decode ones (300 s); the attention hazard test on a copy whose kernel reads this
+      # step's tokens early too, which must fail (90 s); then early against late attention reads, bf16 and fp8
+      # pools, batch 1-32, context 160 and 4096 (150 s).
+      stage early-tests 300 $PYTEST tests/gpu/test_gpu_decode_kernel.py tests/gpu/test_gpu_fp8_kv.py \
+            tests/gpu/test_gpu_generate.py tests/gpu/test_gpu_linear.py tests/kernels/test_pdl.py \
+            tests/kernels/test_skinny_linear_kernel.py tests/kernels/test_fp8_linear_kernel.py -k "decode_kernel or triton_decode_kernel_fp8 or \
+            appended or direct or replaced_after or restrided or gpu_linear or pdl or same_bits"
       rm -rf /tmp/mutant && mkdir -p /tmp/mutant && cp -r gemma4opt tests patterns /tmp/mutant/ &&
         ln -sfn ../patterns /tmp/mutant/gemma4opt/patterns &&
         sed -i 's/fresh = kv_len - TOKENS/fresh = kv_len/' /tmp/mutant/gemma4opt/kernels/paged_decode.py &&
@@ -480,9 +484,12 @@ for s in "$@"; do
       stage early-kv-attention 150 bash -c "python3 benchmarks/bench_attention.py --variants triton triton-late \
             --batch 1 8 32 --context 160 4096 --json $OUT/attention.jsonl && python3 benchmarks/bench_attention.py \
             --variants triton triton-late --kv-dtype fp8 --batch 1 8 32 --context 160 4096 --json $OUT/attention.jsonl" ;;
-    early-kv-e4b)
-      stage early-kv-e4b 560 $GEN e4b --batch 1 --systems eager static_compile gemma4opt-late-kv gemma4opt \
-            gemma4opt-fp8-head-late-kv gemma4opt-fp8-head --json "$OUT/generate.jsonl" ;;
+    early-e4b)
+      # The e4b at batch 1 beside eager and HF static + compile, bf16 and fp8 weights + lm_head: every read before
+      # the wait (the default), the attention's after it (-late-kv), the GEMMs' first weight tile after it (-late-w).
+      stage early-e4b 560 $GEN e4b --batch 1 --systems eager static_compile gemma4opt-late-kv gemma4opt-late-w \
+            gemma4opt gemma4opt-fp8-head-late-kv gemma4opt-fp8-head-late-w gemma4opt-fp8-head \
+            --json "$OUT/generate.jsonl" ;;
     direct-e4b)
       stage direct-e4b 560 $GEN e4b --batch 1 --systems eager static_compile gemma4opt-nodirect gemma4opt \
             gemma4opt-fp8-head-nodirect gemma4opt-fp8-head --json "$OUT/generate.jsonl" ;;
@@ -549,6 +556,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b, direct-decode, direct-e4b, direct-26b, early-kv, early-kv-e4b)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b, direct-decode, direct-e4b, direct-26b, early-kv, early-e4b)" ;;
   esac
 done
