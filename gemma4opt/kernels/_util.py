@@ -51,9 +51,12 @@ def pdl_flags(t: torch.Tensor) -> dict:
 
 @triton.jit
 def pdl_prologue(PDL: tl.constexpr):
-    # Before any load or store: the previous kernel's writes become visible here, and it may still
-    # be reading what this kernel overwrites until then. Dependents are let in at once: they too
-    # wait here, so it only overlaps their launch with this kernel.
+    # Before any store, and any load of what the previous kernel may write: its writes become
+    # visible here, and it may still be reading what this kernel overwrites until then. Dependents
+    # are let in at once: they too wait here, so it only overlaps their launch with this kernel, and
+    # once a kernel is past this point every kernel before it has ended. Loads of what no kernel
+    # of the step writes (weights, the step inputs copied in before its first kernel, KV of earlier
+    # steps) may come first: the GEMMs' first weight tile, the decode attention's first tile.
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
