@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gemma4opt  # noqa: E402
-from gemma4opt.kernels._util import PDL_DEFAULT, set_decode_row_warps, set_early_weights, set_pdl  # noqa: E402
+from gemma4opt.kernels._util import PDL_DEFAULT, set_decode_row_warps, set_pdl  # noqa: E402
 from gemma4opt.kernels.paged_decode import set_early_reads  # noqa: E402
 from gemma4opt.kernels.skinny_linear import use_tiles  # noqa: E402
 from gemma4opt.ops.state import MARGINS  # noqa: E402
@@ -184,9 +184,6 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      # first tile's past tokens are read before it, while the kernel before it runs).
                      "gemma4opt-late-kv": dict(early_kv=False),
                      "gemma4opt-fp8-head-late-kv": dict(quantization="fp8", quantize_lm_head=True, early_kv=False),
-                     # The Triton GEMMs loading their first weight tile after the PDL wait (by default before).
-                     "gemma4opt-late-w": dict(early_w=False),
-                     "gemma4opt-fp8-head-late-w": dict(quantization="fp8", quantize_lm_head=True, early_w=False),
                      "gemma4opt-fp8-kv8-head": dict(quantization="fp8", kv_cache_dtype="fp8", quantize_lm_head=True),
                      "gemma4opt-paged-fp8": dict(attention="paged", quantization="fp8"),
                      "gemma4opt-paged-fp8-kv8": dict(attention="paged", quantization="fp8", kv_cache_dtype="fp8")}
@@ -232,7 +229,6 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         use_tiles(opts.pop("whole_k", True), opts.pop("narrow", True))     # read when a GEMM shape is first tuned
         set_decode_row_warps(opts.pop("row_warps", None))   # read at each launch, captured with the graphs
         set_early_reads(opts.pop("early_kv", True))         # the same
-        set_early_weights(opts.pop("early_w", True))        # the same
         margins = dict(MARGINS)
         MARGINS.update(opts.pop("margins", {}))     # read when optimize() makes the model's op state
         if opts.get("attention") == "paged":     # tuned: a pool for exactly this run's batches and lengths
@@ -275,7 +271,6 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         set_pdl(PDL_DEFAULT)
         set_decode_row_warps(None)
         set_early_reads(True)
-        set_early_weights(True)
     if sys_model is not model or system == "static_compile":
         # Its copy of the weights, its KV pool or static cache and its CUDA graphs stay reachable
         # from Dynamo's caches until reset (at batch 128 x prompt 2048 the next system's prefill ran

@@ -68,6 +68,9 @@
 #              and without (limits 150 / 130 s). direct-e4b: the e4b at batch 1 beside eager and HF static + compile,
 #              bf16 and fp8 weights + lm_head, each with and without (560 s). direct-26b: the 26b-a4b at batch 1
 #              with fp8 weights + lm_head, with and without, beside eager (400 s). One call each.
+#   early-kv   the decode attention kernel reading its lengths, page table and first tile of past tokens before the
+#              PDL wait: its GPU tests with the direct-decode ones (300 s), the e4b at batch 1 early against late reads
+#              (260 s), the kernel alone (100 s), a mutant that reads this step's tokens early too (60 s). One call.
 #   profile-e4b-fp8  kernel by kernel, PDL off: the e4b at batch 1 with fp8 weights and lm_head (200 s), then in bf16 (170 s).
 #   profile-presets  kernel by kernel, PDL off: e4b at batch 32, e2b at 1, 26b-a4b at 8 (limits 190 / 130 / 200 s).
 #   narrow-ab-e4b, narrow-ab-26b  the skinny GEMM's narrow tiles at 2-32 rows with and without: e4b at 32,
@@ -466,30 +469,25 @@ for s in "$@"; do
       stage direct-host 150 $HOST --json "$OUT/host.jsonl"
       stage direct-host-off 130 $HOST --no-direct --json "$OUT/host.jsonl" ;;
     early-kv)
-      # Reads moved before the PDL wait: the decode attention kernel's lengths, page table and first tile of past
-      # tokens, the Triton GEMMs' first weight tile. Their GPU tests (the appended tokens under graph replays, the
-      # decode kernel at real dims and over fp8 pools, the GEMMs early against late and a PDL chain against plain
-      # launches) and the direct-decode ones (300 s); the attention hazard test on a copy whose kernel reads this
-      # step's tokens early too, which must fail (90 s); then early against late attention reads, bf16 and fp8
-      # pools, batch 1-32, context 160 and 4096 (150 s).
+      # The decode attention kernel reading its lengths, page table and first tile of past tokens before the PDL
+      # wait, in one call: its GPU tests (the tokens a graph replay appends read after the wait, bf16 and fp8 pools;
+      # real dims) with the direct-decode ones and a PDL chain (300 s); the e4b at batch 1, bf16 and fp8 weights +
+      # lm_head, early against late reads (-late-kv), beside eager (260 s); the kernel alone early against late,
+      # bf16 and fp8 pools, batch 1-32, context 160 and 4096 (100 s); the hazard test on a copy whose kernel reads
+      # this step's tokens early too, which should fail (60 s).
       stage early-tests 300 $PYTEST tests/gpu/test_gpu_decode_kernel.py tests/gpu/test_gpu_fp8_kv.py \
-            tests/gpu/test_gpu_generate.py tests/gpu/test_gpu_linear.py tests/kernels/test_pdl.py \
-            tests/kernels/test_skinny_linear_kernel.py tests/kernels/test_fp8_linear_kernel.py -k "decode_kernel or triton_decode_kernel_fp8 or \
-            appended or direct or replaced_after or restrided or gpu_linear or pdl or same_bits"
+            tests/gpu/test_gpu_generate.py tests/kernels/test_pdl.py -k "decode_kernel or triton_decode_kernel_fp8 or \
+            appended or direct or replaced_after or restrided or pdl"
+      stage early-e4b 260 $GEN e4b --batch 1 --systems eager gemma4opt-late-kv gemma4opt gemma4opt-fp8-head-late-kv \
+            gemma4opt-fp8-head --json "$OUT/generate.jsonl"
+      stage early-kv-attention 100 bash -c "python3 benchmarks/bench_attention.py --variants triton triton-late \
+            --batch 1 8 32 --context 160 4096 --json $OUT/attention.jsonl && python3 benchmarks/bench_attention.py \
+            --variants triton triton-late --kv-dtype fp8 --batch 1 8 32 --context 160 4096 --json $OUT/attention.jsonl"
       rm -rf /tmp/mutant && mkdir -p /tmp/mutant && cp -r gemma4opt tests patterns /tmp/mutant/ &&
         ln -sfn ../patterns /tmp/mutant/gemma4opt/patterns &&
         sed -i 's/fresh = kv_len - TOKENS/fresh = kv_len/' /tmp/mutant/gemma4opt/kernels/paged_decode.py &&
-        (cd /tmp/mutant && PYTHONPATH=/tmp/mutant:$PYTHONPATH stage early-kv-mutant 90 $PYTEST \
-              tests/gpu/test_gpu_decode_kernel.py -k appended)
-      stage early-kv-attention 150 bash -c "python3 benchmarks/bench_attention.py --variants triton triton-late \
-            --batch 1 8 32 --context 160 4096 --json $OUT/attention.jsonl && python3 benchmarks/bench_attention.py \
-            --variants triton triton-late --kv-dtype fp8 --batch 1 8 32 --context 160 4096 --json $OUT/attention.jsonl" ;;
-    early-e4b)
-      # The e4b at batch 1 beside eager and HF static + compile, bf16 and fp8 weights + lm_head: every read before
-      # the wait (the default), the attention's after it (-late-kv), the GEMMs' first weight tile after it (-late-w).
-      stage early-e4b 560 $GEN e4b --batch 1 --systems eager static_compile gemma4opt-late-kv gemma4opt-late-w \
-            gemma4opt gemma4opt-fp8-head-late-kv gemma4opt-fp8-head-late-w gemma4opt-fp8-head \
-            --json "$OUT/generate.jsonl" ;;
+        (cd /tmp/mutant && PYTHONPATH=/tmp/mutant:$PYTHONPATH stage early-kv-mutant 60 $PYTEST \
+              tests/gpu/test_gpu_decode_kernel.py -k appended) ;;
     direct-e4b)
       stage direct-e4b 560 $GEN e4b --batch 1 --systems eager static_compile gemma4opt-nodirect gemma4opt \
             gemma4opt-fp8-head-nodirect gemma4opt-fp8-head --json "$OUT/generate.jsonl" ;;
@@ -556,6 +554,6 @@ for s in "$@"; do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b, direct-decode, direct-e4b, direct-26b, early-kv, early-e4b)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b, direct-decode, direct-e4b, direct-26b, early-kv)" ;;
   esac
 done

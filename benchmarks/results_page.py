@@ -34,9 +34,7 @@ SYSTEM_NAMES = {"eager": "HF eager", "static_compile": "HF static cache + torch.
                 "gemma4opt-nodirect": "gemma4opt one-liner, every decode step through Dynamo (direct_decode=False)",
                 "gemma4opt-fp8-head-nodirect": "gemma4opt one-liner, fp8 weights and lm_head, direct_decode=False",
                 "gemma4opt-late-kv": "gemma4opt one-liner, decode attention reading all K/V after the PDL wait",
-                "gemma4opt-fp8-head-late-kv": "gemma4opt one-liner, fp8 weights and lm_head, attention K/V after the wait",
-                "gemma4opt-late-w": "gemma4opt one-liner, GEMMs loading their first weight tile after the PDL wait",
-                "gemma4opt-fp8-head-late-w": "gemma4opt one-liner, fp8 weights and lm_head, first weight tile after the wait"}
+                "gemma4opt-fp8-head-late-kv": "gemma4opt one-liner, fp8 weights and lm_head, attention K/V after the wait"}
 
 
 def _rows(pattern):

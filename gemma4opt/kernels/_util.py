@@ -26,21 +26,6 @@ def _pdl_capable(index: int) -> bool:
     return os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(index)[0] >= 9
 
 
-# The GEMMs' first weight tile loaded before the PDL wait (weights do not change within a step), so
-# that its trip to memory overlaps the kernel before; off for A/B runs (bench_generate's -late-w).
-_EARLY_W = {"on": True}
-
-
-def set_early_weights(on: bool) -> None:
-    _EARLY_W["on"] = bool(on)
-
-
-def early_weights(config: dict | None = None) -> bool:
-    """Whether a GEMM launch loads its first weight tile before the wait: a launch config's "early"
-    (tests), else the switch above (read at each launch, captured with a graph)."""
-    return bool(config["early"]) if config and "early" in config else _EARLY_W["on"]
-
-
 def pdl_flags(t: torch.Tensor) -> dict:
     """Launch keywords for a kernel that starts with ``pdl_prologue(PDL)``, for tensors on t's device."""
     if _PDL["on"] and t.is_cuda and _pdl_capable(t.device.index if t.device.index is not None
@@ -56,7 +41,7 @@ def pdl_prologue(PDL: tl.constexpr):
     # are let in at once: they too wait here, so it only overlaps their launch with this kernel, and
     # once a kernel is past this point every kernel before it has ended. Loads of what no kernel
     # of the step writes (weights, the step inputs copied in before its first kernel, KV of earlier
-    # steps) may come first: the GEMMs' first weight tile, the decode attention's first tile.
+    # steps) may come first: the decode attention's page table and first tile of past tokens.
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

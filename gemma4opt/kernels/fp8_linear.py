@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels._util import early_weights, pdl_flags, pdl_prologue, rows_view
-from gemma4opt.kernels.skinny_linear import _out, bench_short, w_tile
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue, rows_view
+from gemma4opt.kernels.skinny_linear import _out, bench_short, row_dot_tile
 
 MAX_ROWS = 32
 # The interpreter (CPU tests) runs one config, a while loop for K, and fp32 dot tiles (as in
@@ -32,15 +32,15 @@ _INTERPRETER_SPLIT = 2      # the one config the interpreter runs for 2+ rows (t
 
 
 @triton.jit
-def _k_tile_w(acc, w, X, k0, K, m, mmask, sxm,
-              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr):
-    """acc += x_q[:, k0:k0+BLOCK_K] @ w^T in fp32 for a loaded W_q tile w (SWAP: its transpose)."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    kmask = k < K
-    if BLOCK_M == 1:        # row_dot_tile's multiply-and-row-sum
-        a = tl.load(X + k, mask=kmask, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], 1)
+def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr):
+    """acc += x_q[:, k0:k0+BLOCK_K] @ W_q[rows, k0:k0+BLOCK_K]^T in fp32 (SWAP: its transpose)."""
+    if BLOCK_M == 1:
+        acc = row_dot_tile(acc, X, w_rows, k0, K, nmask, BLOCK_K)
     else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         x = tl.load(X + m[:, None] * sxm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         if not COMPILED:
             x, w = x.to(tl.float32), w.to(tl.float32)
@@ -56,22 +56,12 @@ def _k_tile_w(acc, w, X, k0, K, m, mmask, sxm,
 
 
 @triton.jit
-def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm,
-            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr):
-    """acc += x_q[:, k0:k0+BLOCK_K] @ W_q[rows, k0:k0+BLOCK_K]^T in fp32 (SWAP: its transpose)."""
-    return _k_tile_w(acc, w_tile(w_rows, k0, K, nmask, BLOCK_K), X, k0, K, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED,
-                     SWAP)
-
-
-@triton.jit
 def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr = False,
-                       PDL: tl.constexpr = False, CAP: tl.constexpr = 0.0, EARLY: tl.constexpr = False):
+                       PDL: tl.constexpr = False, CAP: tl.constexpr = 0.0):
     # ROWS (the row class: 1, 16 or 32) is not read: it keys the autotuner's choice per class.
-    # EARLY: the first W tile is loaded before the PDL wait, while the kernel before this one runs.
-    if not EARLY:
-        pdl_prologue(PDL)
+    pdl_prologue(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     w_rows = W + n.to(tl.int64)[:, None] * swn
@@ -91,16 +81,11 @@ def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS,
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    k0 = lo
-    if EARLY:               # the first tile (a split past K: all masked, adds zeros)
-        w = w_tile(w_rows, lo, hi, nmask, BLOCK_K)
-        pdl_prologue(PDL)
-        acc = _k_tile_w(acc, w, X, lo, hi, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, SWAP)
-        k0 = lo + BLOCK_K
     if COMPILED:
-        for k1 in range(k0, hi, BLOCK_K):
-            acc = _k_tile(acc, X, w_rows, k1, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, SWAP)
+        for k0 in range(lo, hi, BLOCK_K):
+            acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, SWAP)
     else:           # the interpreter takes no runtime range() bound
+        k0 = lo
         while k0 < hi:
             acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, SWAP)
             k0 += BLOCK_K
@@ -212,8 +197,7 @@ def fp8_linear_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.T
         # Room for the most splits (a one-row dot tile may split too).
         part = torch.empty(MAX_SPLIT * M * N, dtype=torch.float32, device=x_fp8.device)
         args = (x2, xs, w_fp8, ws, y, part, M, N, K, x2.stride(0), w_fp8.stride(0), y.stride(0), bm)
-        flags = dict(COMPILED=_COMPILED, CAP=float(cap or 0.0), EARLY=early_weights(config), **pdl_flags(y))
-        config = None if config is None else {k: v for k, v in config.items() if k != "early"} or None
+        flags = dict(COMPILED=_COMPILED, CAP=float(cap or 0.0), **pdl_flags(y))
         if config is None and not _COMPILED:
             bn, split = (4, 1) if bm == 1 else (16, _INTERPRETER_SPLIT)
             config = dict(BLOCK_N=bn, BLOCK_K=32, SPLIT_K=split)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from gemma4opt.kernels._util import early_weights, pdl_flags, pdl_prologue, rows_view
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue, rows_view
 from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_rounded
 from gemma4opt.kernels.softcap import softcap_rounded
 
@@ -63,25 +63,24 @@ def _x_tile(X, U, x_off, u_off, mask, GELU: tl.constexpr):
 
 
 @triton.jit
-def w_tile(w_rows, k0, K, nmask, BLOCK_K: tl.constexpr):
-    """W[rows, k0:k0+BLOCK_K] (masked: 0). Weights are constants of the step: a kernel may load its
-    first tile before its PDL wait (``set_early_weights``)."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(w_rows + k[None, :], mask=nmask[:, None] & (k < K)[None, :], other=0.0)
-
-
-@triton.jit
-def _k_tile_w(acc, w, X, U, k0, K, m, mmask, sxm, sum_,
-              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, IEEE: tl.constexpr,
-              SWAP: tl.constexpr, GELU: tl.constexpr):
-    """acc += x[:, k0:k0+BLOCK_K] @ w^T for a loaded W tile w (SWAP: its transpose, W rows as the
+def _k_tile(acc, X, U, w_rows, k0, K, nmask, m, mmask, sxm, sum_,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, IEEE: tl.constexpr,
+            SWAP: tl.constexpr, GELU: tl.constexpr):
+    """acc += x[:, k0:k0+BLOCK_K] @ W[rows, k0:k0+BLOCK_K]^T (SWAP: its transpose, W rows as the
     dot's M side, so a 64+ row W tile can take Hopper's warpgroup MMA with the few x rows as N)."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    kmask = k < K
-    if BLOCK_M == 1:        # row_dot_tile's multiply-and-row-sum (on the gelu·mul input with GELU)
+    # One return, at the end (no early return inside a constexpr if).
+    if BLOCK_M == 1 and not GELU:
+        acc = row_dot_tile(acc, X, w_rows, k0, K, nmask, BLOCK_K)
+    elif BLOCK_M == 1:      # row_dot_tile's sum, on the gelu·mul input
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         a = _x_tile(X, U, k, k, kmask, GELU)
         acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], 1)
     else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         x = _x_tile(X, U, m[:, None] * sxm + k[None, :], m[:, None] * sum_ + k[None, :],
                     mmask[:, None] & kmask[None, :], GELU)
         if not COMPILED:
@@ -95,14 +94,6 @@ def _k_tile_w(acc, w, X, U, k0, K, m, mmask, sxm, sum_,
         else:
             acc += tl.dot(a, b)
     return acc
-
-
-@triton.jit
-def _k_tile(acc, X, U, w_rows, k0, K, nmask, m, mmask, sxm, sum_,
-            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, IEEE: tl.constexpr,
-            SWAP: tl.constexpr, GELU: tl.constexpr):
-    return _k_tile_w(acc, w_tile(w_rows, k0, K, nmask, BLOCK_K), X, U, k0, K, m, mmask, sxm, sum_, BLOCK_M, BLOCK_K,
-                     COMPILED, IEEE, SWAP, GELU)
 
 
 @triton.jit
@@ -120,11 +111,9 @@ def _out(acc, dt, CAP: tl.constexpr):
 def _skinny_kernel(X, U, W, Y, P, M, N, K, sxm, sum_, swn, sym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                    COMPILED: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
-                   CAP: tl.constexpr = 0.0, GELU: tl.constexpr = False, EARLY: tl.constexpr = False):
+                   CAP: tl.constexpr = 0.0, GELU: tl.constexpr = False):
     # GELU: the input is gelu_tanh(X) * U (X, U of one shape; row strides sxm, sum_); else U is unread.
-    # EARLY: the first W tile is loaded before the PDL wait, while the kernel before this one runs.
-    if not EARLY:
-        pdl_prologue(PDL)
+    pdl_prologue(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     w_rows = W + n.to(tl.int64)[:, None] * swn
@@ -144,17 +133,12 @@ def _skinny_kernel(X, U, W, Y, P, M, N, K, sxm, sum_, swn, sym,
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    k0 = lo
-    if EARLY:               # the first tile (a split past K: all masked, adds zeros)
-        w = w_tile(w_rows, lo, hi, nmask, BLOCK_K)
-        pdl_prologue(PDL)
-        acc = _k_tile_w(acc, w, X, U, lo, hi, m, mmask, sxm, sum_, BLOCK_M, BLOCK_K, COMPILED, IEEE, SWAP, GELU)
-        k0 = lo + BLOCK_K
     if COMPILED:
-        for k1 in range(k0, hi, BLOCK_K):
-            acc = _k_tile(acc, X, U, w_rows, k1, hi, nmask, m, mmask, sxm, sum_, BLOCK_M, BLOCK_K, COMPILED, IEEE,
+        for k0 in range(lo, hi, BLOCK_K):
+            acc = _k_tile(acc, X, U, w_rows, k0, hi, nmask, m, mmask, sxm, sum_, BLOCK_M, BLOCK_K, COMPILED, IEEE,
                           SWAP, GELU)
     else:           # the interpreter takes no runtime range() bound
+        k0 = lo
         while k0 < hi:
             acc = _k_tile(acc, X, U, w_rows, k0, hi, nmask, m, mmask, sxm, sum_, BLOCK_M, BLOCK_K, COMPILED, IEEE,
                           SWAP, GELU)
@@ -287,8 +271,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | N
     with ``up`` (x's shape), the GEMM of gelu_tanh(x) * up, made tile by tile as it is read.
 
     ``config`` runs one tile instead of the autotuned one (benchmark sweeps, tests): BLOCK_N,
-    BLOCK_K, and optionally SPLIT_K, SWAP, num_warps, num_stages; "early" (alone too) overrides
-    whether the first weight tile is loaded before the PDL wait (``_util.early_weights``)."""
+    BLOCK_K, and optionally SPLIT_K, SWAP, num_warps, num_stages."""
     x2 = rows_view(x)
     M, K = x2.shape
     N = weight.shape[0]
@@ -307,8 +290,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | N
         part = torch.empty(max_split(N) * M * N if bm > 1 else 1, dtype=torch.float32, device=x.device)
         args = (x2, u2, weight, y, part, M, N, K, x2.stride(0), u2.stride(0), weight.stride(0), y.stride(0))
         flags = dict(BLOCK_M=bm, COMPILED=_COMPILED, IEEE=x.dtype == torch.float32, CAP=float(cap or 0.0),
-                     GELU=up is not None, EARLY=early_weights(config), **pdl_flags(y))
-        config = None if config is None else {k: v for k, v in config.items() if k != "early"} or None
+                     GELU=up is not None, **pdl_flags(y))
         if config is None and not _COMPILED:
             bn, split = (4, 1) if bm == 1 else (16, _INTERPRETER_SPLIT)
             config = dict(BLOCK_N=bn, BLOCK_K=32, SPLIT_K=split)

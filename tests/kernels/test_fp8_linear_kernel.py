@@ -188,18 +188,3 @@ def test_autotuned_launch_binds_every_parameter_and_tunes_per_row_class(monkeypa
     assert {b["ROWS"] for b in launches} == {1 if rows == 1 else 16 if rows <= 16 else 32}
     assert {b["BLOCK_M"] for b in launches[:-1]} == classes
     assert len(launches) == 1 + sum(c.kwargs["BLOCK_M"] in classes for c in k._tuned.configs)
-
-
-@pytest.mark.parametrize("rows,n,k,config", [
-    (1, 9, 70, dict(BLOCK_N=4, BLOCK_K=32)),                   # row sum over three K tiles, the last masked
-    (1, 5, 37, dict(BLOCK_N=2, BLOCK_K=64, num_stages=1)),      # whole K in the first tile
-    (5, 40, 100, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=2, SWAP=True)),
-    (17, 33, 70, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=4, SWAP=True)),     # the fourth split starts past K
-])
-def test_first_weight_tile_before_or_after_the_wait_same_bits(rows, n, k, config):
-    xq, xs, wq, ws = _operands(rows, n, k)
-    early = fp8_linear_triton(xq, xs, wq, ws, torch.float32, config={**config, "early": True})
-    late = fp8_linear_triton(xq, xs, wq, ws, torch.float32, config={**config, "early": False})
-    assert torch.equal(early, late)
-    want = fp8_linear_reference(xq, xs, wq, ws, torch.float32)
-    torch.testing.assert_close(early, want, rtol=1e-5, atol=1e-5)

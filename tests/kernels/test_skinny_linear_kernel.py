@@ -220,23 +220,3 @@ def test_gate_up_gelu_linear_op_is_the_mlp_off_cuda():
     y = F.linear(x, w_gu)
     want = F.linear(F.gelu(y[..., :24], approximate="tanh") * y[..., 24:], w_d)
     assert torch.equal(torch.ops.gemma4opt.gate_up_gelu_linear(x, w_gu, w_d), want)
-
-
-@pytest.mark.parametrize("gelu", [False, True])
-@pytest.mark.parametrize("rows,n,k,config", [
-    (1, 9, 70, dict(BLOCK_N=4, BLOCK_K=32)),                   # row sum over three K tiles, the last masked
-    (1, 5, 37, dict(BLOCK_N=2, BLOCK_K=64, num_stages=1)),      # whole K in the first tile
-    (5, 40, 100, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=2, SWAP=True)),
-    (17, 33, 70, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=4)),      # the fourth split starts past K
-])
-def test_first_weight_tile_before_or_after_the_wait_same_bits(gelu, rows, n, k, config):
-    # "early" loads the first W tile before the PDL wait and attends to it before the loop.
-    g = torch.Generator().manual_seed(rows + n + k)
-    x, up = (torch.randn(rows, k, generator=g).to(DEVICE) for _ in range(2))
-    w = torch.randn(n, k, generator=g).to(DEVICE)
-    up = up if gelu else None
-    early = skinny_linear_triton(x, w, config={**config, "early": True}, up=up)
-    late = skinny_linear_triton(x, w, config={**config, "early": False}, up=up)
-    assert torch.equal(early, late)
-    want = F.linear(gelu_tanh_mul_ref(x, up) if gelu else x, w)
-    close(early, want, torch.float32)
