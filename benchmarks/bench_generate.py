@@ -180,10 +180,10 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      **{f"gemma4opt-rows{w}": dict(row_warps=w) for w in (2, 4, 8)},
                      **{f"gemma4opt-fp8-head-rows{w}": dict(quantization="fp8", quantize_lm_head=True, row_warps=w)
                         for w in (2, 4, 8)},
-                     # The decode attention kernel reading all of its K/V after the PDL wait (by default its
-                     # first tile's past tokens are read before it, while the kernel before it runs).
-                     "gemma4opt-late-kv": dict(early_kv=False),
-                     "gemma4opt-fp8-head-late-kv": dict(quantization="fp8", quantize_lm_head=True, early_kv=False),
+                     # The decode attention kernel reading its first tile's past tokens before the PDL wait,
+                     # while the kernel before it runs (by default all of its K/V after it).
+                     "gemma4opt-early-kv": dict(early_kv=True),
+                     "gemma4opt-fp8-head-early-kv": dict(quantization="fp8", quantize_lm_head=True, early_kv=True),
                      "gemma4opt-fp8-kv8-head": dict(quantization="fp8", kv_cache_dtype="fp8", quantize_lm_head=True),
                      "gemma4opt-paged-fp8": dict(attention="paged", quantization="fp8"),
                      "gemma4opt-paged-fp8-kv8": dict(attention="paged", quantization="fp8", kv_cache_dtype="fp8")}
@@ -228,7 +228,7 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         set_pdl(opts.pop("pdl", PDL_DEFAULT))      # read at each launch: off for this system's whole run
         use_tiles(opts.pop("whole_k", True), opts.pop("narrow", True))     # read when a GEMM shape is first tuned
         set_decode_row_warps(opts.pop("row_warps", None))   # read at each launch, captured with the graphs
-        set_early_reads(opts.pop("early_kv", True))         # the same
+        set_early_reads(opts.pop("early_kv", False))        # the same
         margins = dict(MARGINS)
         MARGINS.update(opts.pop("margins", {}))     # read when optimize() makes the model's op state
         if opts.get("attention") == "paged":     # tuned: a pool for exactly this run's batches and lengths
@@ -270,7 +270,7 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         gemma4opt.report(sys_model)
         set_pdl(PDL_DEFAULT)
         set_decode_row_warps(None)
-        set_early_reads(True)
+        set_early_reads(False)
     if sys_model is not model or system == "static_compile":
         # Its copy of the weights, its KV pool or static cache and its CUDA graphs stay reachable
         # from Dynamo's caches until reset (at batch 128 x prompt 2048 the next system's prefill ran

@@ -470,19 +470,20 @@ for s in "$@"; do
       stage direct-host-off 130 $HOST --no-direct --json "$OUT/host.jsonl" ;;
     early-kv)
       # The decode attention kernel reading its lengths, page table and first tile of past tokens before the PDL
-      # wait, in one call: its GPU tests (the tokens a graph replay appends read after the wait, bf16 and fp8 pools;
-      # real dims) with the direct-decode ones and a PDL chain (300 s); the e4b at batch 1, bf16 and fp8 weights +
-      # lm_head, early against late reads (-late-kv), beside eager (260 s); the kernel alone early against late,
+      # wait (off by default until this runs), in one call: its GPU tests (the tokens a graph replay appends read
+      # after the wait, bf16 and fp8 pools; real dims) with the direct-decode ones and a PDL chain (300 s); the e4b
+      # at batch 1, bf16 and fp8 weights + lm_head, late (the default) against early reads (-early-kv), beside
+      # eager (260 s); the kernel alone late against early,
       # bf16 and fp8 pools, batch 1-32, context 160 and 4096 (100 s); the hazard test on a copy whose kernel reads
       # this step's tokens early too, which should fail (60 s).
       stage early-tests 300 $PYTEST tests/gpu/test_gpu_decode_kernel.py tests/gpu/test_gpu_fp8_kv.py \
             tests/gpu/test_gpu_generate.py tests/kernels/test_pdl.py -k "decode_kernel or triton_decode_kernel_fp8 or \
             appended or direct or replaced_after or restrided or pdl"
-      stage early-e4b 260 $GEN e4b --batch 1 --systems eager gemma4opt-late-kv gemma4opt gemma4opt-fp8-head-late-kv \
-            gemma4opt-fp8-head --json "$OUT/generate.jsonl"
-      stage early-kv-attention 100 bash -c "python3 benchmarks/bench_attention.py --variants triton triton-late \
+      stage early-e4b 260 $GEN e4b --batch 1 --systems eager gemma4opt gemma4opt-early-kv gemma4opt-fp8-head \
+            gemma4opt-fp8-head-early-kv --json "$OUT/generate.jsonl"
+      stage early-kv-attention 100 bash -c "python3 benchmarks/bench_attention.py --variants triton triton-early \
             --batch 1 8 32 --context 160 4096 --json $OUT/attention.jsonl && python3 benchmarks/bench_attention.py \
-            --variants triton triton-late --kv-dtype fp8 --batch 1 8 32 --context 160 4096 --json $OUT/attention.jsonl"
+            --variants triton triton-early --kv-dtype fp8 --batch 1 8 32 --context 160 4096 --json $OUT/attention.jsonl"
       rm -rf /tmp/mutant && mkdir -p /tmp/mutant && cp -r gemma4opt tests patterns /tmp/mutant/ &&
         ln -sfn ../patterns /tmp/mutant/gemma4opt/patterns &&
         sed -i 's/fresh = kv_len - TOKENS/fresh = kv_len/' /tmp/mutant/gemma4opt/kernels/paged_decode.py &&

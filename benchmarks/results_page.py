@@ -33,8 +33,8 @@ SYSTEM_NAMES = {"eager": "HF eager", "static_compile": "HF static cache + torch.
                 "gemma4opt-paged-cublas": "gemma4opt paged, every decode GEMM on cuBLAS",
                 "gemma4opt-nodirect": "gemma4opt one-liner, every decode step through Dynamo (direct_decode=False)",
                 "gemma4opt-fp8-head-nodirect": "gemma4opt one-liner, fp8 weights and lm_head, direct_decode=False",
-                "gemma4opt-late-kv": "gemma4opt one-liner, decode attention reading all K/V after the PDL wait",
-                "gemma4opt-fp8-head-late-kv": "gemma4opt one-liner, fp8 weights and lm_head, attention K/V after the wait"}
+                "gemma4opt-early-kv": "gemma4opt one-liner, decode attention reading past K/V before the PDL wait",
+                "gemma4opt-fp8-head-early-kv": "gemma4opt one-liner, fp8 weights and lm_head, past K/V before the wait"}
 
 
 def _rows(pattern):

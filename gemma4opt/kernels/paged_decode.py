@@ -43,12 +43,13 @@ MAX_SPLITS = 64
 # bf16 tiles as raw integers: there the loop is a while loop and tiles are multiplied in fp32.
 # The compiled kernel keeps the for loop (Triton software-pipelines it, not a while loop).
 _COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
-_EARLY = {"on": True}
+_EARLY = {"on": False}
 
 
 def set_early_reads(on: bool) -> None:
     """Whether the split kernel reads its first tile's past tokens before the PDL wait (read at each
-    launch, captured with a graph; off only for A/B runs: bench_generate's -late-kv systems)."""
+    launch, captured with a graph). Off by default: not yet timed on a GPU (bench_generate's
+    -early-kv systems, gpu_session.sh's early-kv suite)."""
     _EARLY["on"] = bool(on)
 
 
@@ -119,12 +120,12 @@ def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE,
     b = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
-    # Before the PDL wait (EARLY), while the kernel before this one still runs: the lengths and
-    # page table (step inputs, copied in before the step's first kernel) and this split's first
-    # tile of K/V rows written by earlier steps. What this step wrote (its TOKENS new tokens per
-    # sequence: the previous kernel appends them) and q are read after it. A kernel that passed its
-    # wait has its predecessors complete (each waits before it lets its dependents in), so only the
-    # kernel right before this one can still be writing.
+    # EARLY (off by default until measured on the GPU: set_early_reads): before the PDL wait,
+    # while the kernel before this one still runs, read the lengths and page table (step inputs,
+    # copied in before the step's first kernel) and this split's first tile of K/V rows written by
+    # earlier steps; what this step wrote (its TOKENS new tokens per sequence: the previous kernel
+    # appends them) and q after it. A kernel past its wait has its predecessors complete (each
+    # waits before it lets its dependents in), so only the kernel right before can still write.
     if not EARLY:
         pdl_prologue(PDL)
     kv_len = tl.load(LENS + b)
@@ -136,18 +137,16 @@ def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE,
     start = lo + sp * chunk
     end = tl.minimum(start + chunk, kv_len)
     d = tl.arange(0, D)
-    t = start + tl.arange(0, BLOCK_N)
-    first = t < tl.minimum(start + BLOCK_N, end)        # the first tile's tokens
-    fresh = kv_len - TOKENS                             # tokens from here on were written this step
     if EARLY:
+        t = start + tl.arange(0, BLOCK_N)
+        first = t < tl.minimum(start + BLOCK_N, end)    # the first tile's tokens
+        fresh = kv_len - TOKENS                         # tokens from here on were written this step
         k, v = _load_kv(KV, TABLE, row_base, ring, t, first & (t < fresh), kh, s_page, s_kv, s_tok, s_head, d, PS)
         pdl_prologue(PDL)
         k_new, v_new = _load_kv(KV, TABLE, row_base, ring, t, first & (t >= fresh), kh, s_page, s_kv, s_tok, s_head,
                                 d, PS)
         k = tl.where((t >= fresh)[:, None], k_new, k)
         v = tl.where((t >= fresh)[:, None], v_new, v)
-    else:
-        k, v = _load_kv(KV, TABLE, row_base, ring, t, first, kh, s_page, s_kv, s_tok, s_head, d, PS)
     qk_scale = scale
     if FP8:         # k's scale multiplies every score: folded into the softmax scale
         qk_scale = scale * tl.load(KV_SCALE)
@@ -161,14 +160,16 @@ def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE,
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    if start < end:         # a split past the end has no first tile (and no later ones)
-        m_i, l_i, acc = _attend(q, k, v, first, qk_scale, m_i, l_i, acc, COMPILED, IEEE, FP8, V_WIDE)
+    t0 = start
+    if EARLY:               # the first tile, loaded above (a split past the end has none)
+        if start < end:
+            m_i, l_i, acc = _attend(q, k, v, first, qk_scale, m_i, l_i, acc, COMPILED, IEEE, FP8, V_WIDE)
+        t0 = start + BLOCK_N
     if COMPILED:
-        for t0 in range(start + BLOCK_N, end, BLOCK_N):
-            m_i, l_i, acc = _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, qk_scale,
+        for t1 in range(t0, end, BLOCK_N):
+            m_i, l_i, acc = _tile(q, KV, TABLE, row_base, ring, t1, end, kh, s_page, s_kv, s_tok, s_head, qk_scale,
                                   m_i, l_i, acc, d, PS, BLOCK_N, COMPILED, IEEE, FP8, V_WIDE)
     else:
-        t0 = start + BLOCK_N
         while t0 < end:
             m_i, l_i, acc = _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, qk_scale,
                                   m_i, l_i, acc, d, PS, BLOCK_N, COMPILED, IEEE, FP8, V_WIDE)

@@ -68,8 +68,8 @@ def test_decode_kernel_matches_reference_at_real_dims(head_dim, heads, kv_heads,
 @pytest.mark.parametrize("tokens", [1, 3])
 @pytest.mark.parametrize("window", [0, 64])
 def test_step_tokens_appended_by_the_previous_kernel_are_read_after_its_end(tokens, window, fp8):
-    # In a CUDA graph with programmatic dependent launch the decode kernel starts while kv_append,
-    # the kernel before it, still runs, and reads past tokens then. Every replay appends new values
+    # In a CUDA graph with programmatic dependent launch the decode kernel (its early reads on)
+    # starts while kv_append, the kernel before it, still runs, and reads past tokens then. Every replay appends new values
     # at the same slots: a new token read too early would hold the previous replay's values.
     from gemma4opt.kernels import _util
     from gemma4opt.kernels.kv_append import kv_append_triton
@@ -93,7 +93,8 @@ def test_step_tokens_appended_by_the_previous_kernel_are_read_after_its_end(toke
 
     def step():
         kv_append_triton(kv, k_new, v_new, slots, index, scales)
-        return paged_decode_triton(q, kv, table, rows, window, 1.0, sms, tokens=tokens, kv_scale=scales)
+        return paged_decode_triton(q, kv, table, rows, window, 1.0, sms, tokens=tokens, kv_scale=scales,
+                                   config={"early": True})
 
     assert _util.pdl_flags(q).get("PDL"), "needs a GPU with programmatic dependent launch (sm_90+)"
     for t in (k_new, v_new, q):

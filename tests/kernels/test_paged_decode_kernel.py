@@ -194,6 +194,20 @@ def test_first_tile_read_before_or_after_the_wait_same_bits(case):
     kv, table, _ = _batch(lens, ps, kvh, D, torch.float32, window, g, ring)
     q = torch.randn(len(lens), H, D, generator=g)
     dev = [t.to(DEVICE) for t in (q, kv, table, torch.tensor(lens, dtype=torch.int32))]
-    early = paged_decode_triton(*dev, window=window, scale=0.6, num_sms=4, splits=splits)
+    early = paged_decode_triton(*dev, window=window, scale=0.6, num_sms=4, splits=splits, config={"early": True})
     late = paged_decode_triton(*dev, window=window, scale=0.6, num_sms=4, splits=splits, config={"early": False})
     assert torch.equal(early, late)
+
+
+@pytest.mark.parametrize("case", MULTI)
+def test_first_tile_early_with_several_new_tokens_same_bits(case):
+    # A step of T new tokens: every row reads the step's T tokens of its sequence after the wait.
+    lens, T, ps, H, kvh, D, window, splits = case
+    g = torch.Generator().manual_seed(sum(lens) + 11)
+    kv, table, _ = _batch(lens, ps, kvh, D, torch.float32, window and window + T - 1, g)
+    q = torch.randn(len(lens) * T, H, D, generator=g)
+    rows = torch.tensor([n - T + t + 1 for n in lens for t in range(T)], dtype=torch.int32)
+    dev = [t.to(DEVICE) for t in (q, kv, table, rows)]
+    got = {e: paged_decode_triton(*dev, window=window, scale=0.5, num_sms=4, splits=splits, tokens=T,
+                                  config={"early": e}) for e in (True, False)}
+    assert torch.equal(got[True], got[False])
