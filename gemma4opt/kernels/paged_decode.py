@@ -54,10 +54,15 @@ def set_early_reads(on: bool) -> None:
 
 
 @triton.jit
-def _load_kv(KV, TABLE, row_base, ring, t, tmask, kh, s_page, s_kv, s_tok, s_head, d, PS: tl.constexpr):
-    """The K and V rows of tokens t (masked: 0) gathered through the page table."""
+def _kv_rows(TABLE, row_base, ring, t, tmask, kh, s_page, s_tok, s_head, PS: tl.constexpr):
+    """Where the K rows of tokens t start in the pool, through the page table (masked: page 0)."""
     page = tl.load(TABLE + row_base + (t // PS) % ring, mask=tmask, other=0)
-    base = page.to(tl.int64) * s_page + (t % PS) * s_tok + kh * s_head
+    return page.to(tl.int64) * s_page + (t % PS) * s_tok + kh * s_head
+
+
+@triton.jit
+def _load_kv(KV, base, tmask, s_kv, d):
+    """The K and V rows starting at ``base`` (masked: 0)."""
     k = tl.load(KV + base[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
     v = tl.load(KV + s_kv + base[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
     return k, v
@@ -105,7 +110,7 @@ def _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head
     """One BLOCK_N-token tile of the online softmax, loaded and attended."""
     t = t0 + tl.arange(0, BLOCK_N)
     tmask = t < end
-    k, v = _load_kv(KV, TABLE, row_base, ring, t, tmask, kh, s_page, s_kv, s_tok, s_head, d, PS)
+    k, v = _load_kv(KV, _kv_rows(TABLE, row_base, ring, t, tmask, kh, s_page, s_tok, s_head, PS), tmask, s_kv, d)
     return _attend(q, k, v, tmask, scale, m_i, l_i, acc, COMPILED, IEEE, FP8, V_WIDE)
 
 
@@ -141,10 +146,10 @@ def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE,
         t = start + tl.arange(0, BLOCK_N)
         first = t < tl.minimum(start + BLOCK_N, end)    # the first tile's tokens
         fresh = kv_len - TOKENS                         # tokens from here on were written this step
-        k, v = _load_kv(KV, TABLE, row_base, ring, t, first & (t < fresh), kh, s_page, s_kv, s_tok, s_head, d, PS)
+        base = _kv_rows(TABLE, row_base, ring, t, first, kh, s_page, s_tok, s_head, PS)     # the table: a step input
+        k, v = _load_kv(KV, base, first & (t < fresh), s_kv, d)
         pdl_prologue(PDL)
-        k_new, v_new = _load_kv(KV, TABLE, row_base, ring, t, first & (t >= fresh), kh, s_page, s_kv, s_tok, s_head,
-                                d, PS)
+        k_new, v_new = _load_kv(KV, base, first & (t >= fresh), s_kv, d)
         k = tl.where((t >= fresh)[:, None], k_new, k)
         v = tl.where((t >= fresh)[:, None], v_new, v)
     qk_scale = scale
