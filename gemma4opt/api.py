@@ -248,7 +248,8 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits, 
         state.stats[p.name] = PatternStats(p.name, p.summary, p.expected(text_config, scope))
 
     def ctx_factory(gm):
-        return PassContext(root=target, text_config=text_config, scope=scope, gm=gm)
+        return PassContext(root=target, text_config=text_config, scope=scope, gm=gm,
+                           max_seq_len=cfg.max_seq_len if paged else None)
 
     state.pass_manager = PassManager(enabled, ctx_factory, state.stats)
     state.original_forward = target.forward

@@ -15,6 +15,7 @@ class PassContext:
     text_config: object            # Gemma4TextConfig
     scope: str                     # "causal_lm" (forward incl. lm_head) or "text_model"
     gm: fx.GraphModule | None = None
+    max_seq_len: int | None = None  # the paged mode's bound on positions (Gemma4OptConfig.max_seq_len); else None
 
     def add_constant(self, name: str, tensor: torch.Tensor) -> fx.Node:
         """A get_attr node for a tensor owned by gemma4opt (e.g. merged weights)."""

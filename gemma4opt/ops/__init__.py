@@ -19,4 +19,5 @@ from gemma4opt.ops import (  # noqa: F401
     rms_norm,
     rms_norm_quant,
     rms_norm_rope,
+    rope_cos_sin,
 )

@@ -10,7 +10,7 @@ from gemma4opt.patterns import build_patterns
 
 
 class Compiled:
-    def __init__(self, module, names, text_config=None, scope="causal_lm"):
+    def __init__(self, module, names, text_config=None, scope="causal_lm", max_seq_len=None):
         all_patterns = build_patterns()
         self.patterns = [all_patterns[n] for n in names]
         for p in self.patterns:
@@ -19,7 +19,7 @@ class Compiled:
         self.graphs = []
 
         def ctx(gm):
-            return PassContext(root=module, text_config=text_config, scope=scope, gm=gm)
+            return PassContext(root=module, text_config=text_config, scope=scope, gm=gm, max_seq_len=max_seq_len)
 
         pm = PassManager(self.patterns, ctx, self.stats)
 
