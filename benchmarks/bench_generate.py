@@ -161,6 +161,10 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      "gemma4opt-triton-gemms": dict(margins={"linear": 1e9, "linear_softcap": 1e9}),
                      # Every gelu·mul its own launch (no gelu_linear): that fusion's share.
                      "gemma4opt-no-gelu-linear": dict(patterns=tuple(p for p in PATTERN_NAMES if p != "gelu_linear")),
+                     # HF's rotary cos/sin ops in place of the one-launch rope_cos_sin (its A/B).
+                     "gemma4opt-no-rope": dict(patterns=tuple(p for p in PATTERN_NAMES if p != "rope_cos_sin")),
+                     "gemma4opt-fp8-head-no-rope": dict(quantization="fp8", quantize_lm_head=True, patterns=tuple(
+                         p for p in PATTERN_NAMES if p != "rope_cos_sin")),
                      # The skinny GEMM at one row without its whole-K tiles: their share.
                      "gemma4opt-no-whole-k": dict(whole_k=False),
                      # ... and at 2-32 rows without its narrow tiles (16-32 W rows, K split up to 16 ways).

@@ -80,7 +80,7 @@ def uses_kernel(inv_freq, scaling, dtype, matmul, max_positions) -> bool | None:
     seen = _VERDICTS.get(key)
     if seen is not None and seen[0]() is inv_freq:
         return seen[1]
-    if torch.cuda.is_current_stream_capturing():
+    if inv_freq.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
     ok = kernel_matches(inv_freq, scaling, dtype, matmul, max_positions)
     _VERDICTS[key] = (weakref.ref(inv_freq), ok)
