@@ -71,6 +71,9 @@
 #   early-kv   the decode attention kernel reading its lengths, page table and first tile of past tokens before the
 #              PDL wait: its GPU tests with the direct-decode ones (300 s), the e4b at batch 1 early against late reads
 #              (260 s), the kernel alone (100 s), a mutant that reads this step's tokens early too (60 s). One call.
+#   rope       the rotary cos/sin in one launch (rope_cos_sin): its GPU tests (bits over every preset's context, a
+#              graph replay) with the paged generate ones (150 s), the e4b at batch 1 in bf16 and fp8 weights + lm_head
+#              with and without it, beside eager (330 s). One call.
 #   profile-e4b-fp8  kernel by kernel, PDL off: the e4b at batch 1 with fp8 weights and lm_head (200 s), then in bf16 (170 s).
 #   profile-presets  kernel by kernel, PDL off: e4b at batch 32, e2b at 1, 26b-a4b at 8 (limits 190 / 130 / 200 s).
 #   narrow-ab-e4b, narrow-ab-26b  the skinny GEMM's narrow tiles at 2-32 rows with and without: e4b at 32,
@@ -489,6 +492,14 @@ for s in "$@"; do
         sed -i 's/fresh = kv_len - TOKENS/fresh = kv_len/' /tmp/mutant/gemma4opt/kernels/paged_decode.py &&
         (cd /tmp/mutant && PYTHONPATH=/tmp/mutant:$PYTHONPATH stage early-kv-mutant 60 $PYTEST \
               tests/gpu/test_gpu_decode_kernel.py -k appended) ;;
+    rope)
+      # rope_cos_sin: the kernel's bits against PyTorch's over every position of each preset's context (both forms
+      # of HF's product), a graph replay with new positions, and the paged generate tests that compare tokens
+      # with eager (150 s); the e4b at batch 1 without (-no-rope) and with it, bf16 and fp8 + lm_head (330 s).
+      stage rope-tests 150 $PYTEST tests/gpu/test_gpu_rope.py tests/gpu/test_gpu_paged.py -k "rope or \
+            paged_generate_equals_eager or do_not_sync or bucket_graphs"
+      stage rope-e4b 330 $GEN e4b --batch 1 --systems eager gemma4opt-no-rope gemma4opt gemma4opt-fp8-head-no-rope \
+            gemma4opt-fp8-head --json "$OUT/generate.jsonl" ;;
     direct-e4b)
       stage direct-e4b 560 $GEN e4b --batch 1 --systems eager static_compile gemma4opt-nodirect gemma4opt \
             gemma4opt-fp8-head-nodirect gemma4opt-fp8-head --json "$OUT/generate.jsonl" ;;

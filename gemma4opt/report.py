@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gemma4opt.api import get_state
+from gemma4opt.ops import rope_cos_sin
 from gemma4opt.ops.fp8_weights import foreign_projections, fp8_experts, fp8_linears, fp8_lm_head
 from gemma4opt.ops.state import OpState
 from gemma4opt.patterns.paged_qkv import ATTENTION_OPS
@@ -48,6 +49,7 @@ class Report:
     direct_steps: int = 0       # decode steps that skipped Dynamo's entry (runtime/direct_decode.py)
     direct: str = ""            # those, the steps that entered Dynamo, and why a plan missed or was not learned
     weights_restored: list[str] = field(default_factory=list)   # merged weights given new storage, copied back
+    kernel_checks: list[str] = field(default_factory=list)      # fused ops whose kernel failed its bit check
 
     def row(self, pattern: str) -> PatternRow:
         return next(r for r in self.rows if r.pattern == pattern)
@@ -82,6 +84,8 @@ class Report:
             lines.append(f"  weights given new storage after optimize(), copied into the merged weights: "
                          f"{len(self.weights_restored)} ({', '.join(self.weights_restored[:3])}"
                          f"{', ...' if len(self.weights_restored) > 3 else ''})")
+        for line in self.kernel_checks:
+            lines.append(f"  {line}")
         if self.fallbacks:
             lines.append("  fallbacks (calls): " + ", ".join(f"{k}: {v}" for k, v in self.fallbacks.items()))
         if self.rows:
@@ -131,7 +135,8 @@ def build_report(model) -> Report:
                   weights=_weights(model, state, device), tensor_parallel=_tensor_parallel(state),
                   direct_steps=state.direct.steps if state.direct is not None else 0,
                   direct=state.direct.describe() if state.direct is not None else "",
-                  weights_restored=list(state.weights.restored) if state.weights is not None else [])
+                  weights_restored=list(state.weights.restored) if state.weights is not None else [],
+                  kernel_checks=rope_cos_sin.verdicts(model.buffers()))
 
 
 def _tensor_parallel(state) -> str:

@@ -87,11 +87,13 @@ def uses_kernel(inv_freq, scaling, dtype, matmul, max_positions) -> bool | None:
     return ok
 
 
-def verdicts() -> list[str]:
-    """Lines for the report: the inv_freqs (of live tensors) whose kernel bits differed."""
+def verdicts(tensors=None) -> list[str]:
+    """Lines for the report: the inv_freqs (live ones; of ``tensors`` only, if given: a model's
+    buffers) whose kernel bits differed from the reference's."""
+    mine = None if tensors is None else {id(t) for t in tensors}
     return [f"rope_cos_sin: the Triton kernel's cos/sin differ from PyTorch's on {k[2]} ({k[3]}, "
             f"{k[6]} positions): PyTorch's ops run" for k, (ref, ok) in _VERDICTS.items()
-            if not ok and ref() is not None]
+            if not ok and ref() is not None and (mine is None or id(ref()) in mine)]
 
 
 @rope_cos_sin.register_kernel("cuda")

@@ -140,3 +140,16 @@ def test_a_failed_check_is_reported_while_its_inv_freq_lives(counted):
     assert len(verdicts()) == 1 and "PyTorch's ops run" in verdicts()[0]
     del inv
     assert verdicts() == []
+
+
+def test_report_lists_a_failed_check_of_its_own_models_rotary_only(counted):
+    from gemma4opt.report import Report
+
+    _, answer = counted
+    answer["ok"] = False
+    mine, other = _inv_freq(4).cpu(), _inv_freq(4).cpu()
+    uses_kernel(mine, 1.0, torch.bfloat16, False, 64)
+    uses_kernel(other, 1.0, torch.bfloat16, False, 64)
+    assert len(verdicts()) == 2 and len(verdicts([mine])) == 1
+    text = str(Report("M", "causal_lm", None, 1, 1, 0, {}, kernel_checks=verdicts([mine])))
+    assert "rope_cos_sin: the Triton kernel's cos/sin differ from PyTorch's on cpu" in text
