@@ -3,9 +3,9 @@
 HF's rotary embedding makes them with 8-9 kernels per layer type (the product, the concat, cos,
 sin, the two scalings, the two casts), 16-18 tiny launches at the start of every decode step.
 Here one program per position row computes each frequency once and writes it to both halves of
-cos and of sin. fp32 throughout, as HF computes it; libdevice's cos and sin, CUDA's own cosf and
-sinf, which PyTorch's kernels call (ops/rope_cos_sin.py checks the bits against PyTorch's over
-every position once per device before the kernel is used, and runs PyTorch's ops if they differ).
+cos and of sin. fp32 throughout, as HF computes it, with libdevice's cos and sin (PyTorch's CUDA
+kernels call CUDA's cosf and sinf): ops/rope_cos_sin.py checks the bits against PyTorch's over every
+position once per device before the kernel is used, and runs PyTorch's ops if they differ.
 """
 from __future__ import annotations
 
