@@ -74,6 +74,9 @@
 #   rope       the rotary cos/sin in one launch (rope_cos_sin): its GPU tests (bits over every preset's context, a
 #              graph replay) with the paged generate ones (150 s), the e4b at batch 1 in bf16 and fp8 weights + lm_head
 #              with and without it, beside eager (330 s). One call.
+#   pending-tests, pending-e4b  early-kv and rope in two calls: every GPU test of both with the early-kv mutant
+#              (510 s); the e4b at batch 1 with each on and off, bf16 and fp8 + lm_head, beside eager (420 s), and
+#              the decode attention kernel late against early (100 s).
 #   profile-e4b-fp8  kernel by kernel, PDL off: the e4b at batch 1 with fp8 weights and lm_head (200 s), then in bf16 (170 s).
 #   profile-presets  kernel by kernel, PDL off: e4b at batch 32, e2b at 1, 26b-a4b at 8 (limits 190 / 130 / 200 s).
 #   narrow-ab-e4b, narrow-ab-26b  the skinny GEMM's narrow tiles at 2-32 rows with and without: e4b at 32,
@@ -194,7 +197,17 @@ stage() {
 PYTEST="python3 -m pytest -v -rfE --durations=10 -p no:cacheprovider -p no:logging --tb=short"
 GEN="python3 benchmarks/bench_generate.py --preset"
 PAGED_KERNELS="flashinfer_matches_reference or fast_replan"
-for s in "$@"; do
+# Suites made of others' stages, expanded before the loop.
+parts() {
+  case $1 in
+    early-kv) echo early-kv-tests early-kv-e4b early-kv-attention early-kv-mutant ;;
+    rope) echo rope-tests rope-e4b ;;
+    pending-tests) echo early-kv-tests early-kv-mutant rope-tests ;;
+    pending-e4b) echo pending-e4b early-kv-attention ;;
+    *) echo "$1" ;;
+  esac
+}
+for s in $(for a in "$@"; do parts "$a"; done); do
   case $s in
     tests) stage tests 540 $PYTEST -n 8 tests/gpu tests/kernels --ignore=tests/gpu/test_gpu_generate.py \
              --ignore=tests/gpu/test_gpu_features.py ;;
@@ -471,33 +484,40 @@ for s in "$@"; do
       HOST="python3 benchmarks/profile_host.py --preset e4b --layers 42 --skip-replay"
       stage direct-host 150 $HOST --json "$OUT/host.jsonl"
       stage direct-host-off 130 $HOST --no-direct --json "$OUT/host.jsonl" ;;
-    early-kv)
-      # The decode attention kernel reading its lengths, page table and first tile of past tokens before the PDL
-      # wait (off by default until this runs), in one call: its GPU tests (the tokens a graph replay appends read
-      # after the wait, bf16 and fp8 pools; real dims) with the direct-decode ones and a PDL chain (300 s); the e4b
-      # at batch 1, bf16 and fp8 weights + lm_head, late (the default) against early reads (-early-kv), beside
-      # eager (260 s); the kernel alone late against early,
-      # bf16 and fp8 pools, batch 1-32, context 160 and 4096 (100 s); the hazard test on a copy whose kernel reads
-      # this step's tokens early too, which should fail (60 s).
+    # early-kv: the decode attention kernel reading its lengths, page table and first tile of past tokens before the PDL
+    # wait (off by default until this runs), in one call: its GPU tests (the tokens a graph replay appends read
+    # after the wait, bf16 and fp8 pools; real dims) with the direct-decode ones and a PDL chain (300 s); the e4b
+    # at batch 1, bf16 and fp8 weights + lm_head, late (the default) against early reads (-early-kv), beside
+    # eager (260 s); the kernel alone late against early,
+    # bf16 and fp8 pools, batch 1-32, context 160 and 4096 (100 s); the hazard test on a copy whose kernel reads
+    # this step's tokens early too, which should fail (60 s).
+    early-kv-tests)
       stage early-tests 300 $PYTEST tests/gpu/test_gpu_decode_kernel.py tests/gpu/test_gpu_fp8_kv.py \
             tests/gpu/test_gpu_generate.py tests/kernels/test_pdl.py -k "decode_kernel or triton_decode_kernel_fp8 or \
-            appended or direct or replaced_after or restrided or pdl"
+            appended or direct or replaced_after or restrided or pdl" ;;
+    early-kv-e4b)
       stage early-e4b 260 $GEN e4b --batch 1 --systems eager gemma4opt gemma4opt-early-kv gemma4opt-fp8-head \
-            gemma4opt-fp8-head-early-kv --json "$OUT/generate.jsonl"
+            gemma4opt-fp8-head-early-kv --json "$OUT/generate.jsonl" ;;
+    early-kv-attention)
       stage early-kv-attention 100 bash -c "python3 benchmarks/bench_attention.py --variants triton triton-early \
             --batch 1 8 32 --context 160 4096 --json $OUT/attention.jsonl && python3 benchmarks/bench_attention.py \
-            --variants triton triton-early --kv-dtype fp8 --batch 1 8 32 --context 160 4096 --json $OUT/attention.jsonl"
+            --variants triton triton-early --kv-dtype fp8 --batch 1 8 32 --context 160 4096 --json $OUT/attention.jsonl" ;;
+    early-kv-mutant)
       rm -rf /tmp/mutant && mkdir -p /tmp/mutant && cp -r gemma4opt tests patterns /tmp/mutant/ &&
         ln -sfn ../patterns /tmp/mutant/gemma4opt/patterns &&
         sed -i 's/fresh = kv_len - TOKENS/fresh = kv_len/' /tmp/mutant/gemma4opt/kernels/paged_decode.py &&
         (cd /tmp/mutant && PYTHONPATH=/tmp/mutant:$PYTHONPATH stage early-kv-mutant 60 $PYTEST \
               tests/gpu/test_gpu_decode_kernel.py -k appended) ;;
-    rope)
-      # rope_cos_sin: the kernel's bits against PyTorch's over every position of each preset's context (both forms
-      # of HF's product), a graph replay with new positions, and the paged generate tests that compare tokens
-      # with eager (150 s); the e4b at batch 1 without (-no-rope) and with it, bf16 and fp8 + lm_head (330 s).
+    pending-e4b)
+      stage pending-e4b 420 $GEN e4b --batch 1 --systems eager gemma4opt-no-rope gemma4opt gemma4opt-early-kv \
+            gemma4opt-fp8-head-no-rope gemma4opt-fp8-head gemma4opt-fp8-head-early-kv --json "$OUT/generate.jsonl" ;;
+    # rope_cos_sin: the kernel's bits against PyTorch's over every position of each preset's context (both forms
+    # of HF's product), a graph replay with new positions, and the paged generate tests that compare tokens
+    # with eager (150 s); the e4b at batch 1 without (-no-rope) and with it, bf16 and fp8 + lm_head (330 s).
+    rope-tests)
       stage rope-tests 150 $PYTEST tests/gpu/test_gpu_rope.py tests/gpu/test_gpu_paged.py -k "rope or \
-            paged_generate_equals_eager or do_not_sync or bucket_graphs"
+            paged_generate_equals_eager or do_not_sync or bucket_graphs" ;;
+    rope-e4b)
       stage rope-e4b 330 $GEN e4b --batch 1 --systems eager gemma4opt-no-rope gemma4opt gemma4opt-fp8-head-no-rope \
             gemma4opt-fp8-head --json "$OUT/generate.jsonl" ;;
     direct-e4b)
