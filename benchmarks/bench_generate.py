@@ -167,6 +167,8 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                          p for p in PATTERN_NAMES if p != "rope_cos_sin")),
                      # The skinny GEMM at one row without its whole-K tiles: their share.
                      "gemma4opt-no-whole-k": dict(whole_k=False),
+                     # ... and without its split-K tiles at one row (narrow N, long K: the MLP down).
+                     "gemma4opt-no-row-split": dict(row_split=False),
                      # ... and at 2-32 rows without its narrow tiles (16-32 W rows, K split up to 16 ways).
                      "gemma4opt-no-narrow": dict(narrow=False),
                      # Every gemma4opt kernel launched plainly: programmatic dependent launch's share.
@@ -230,7 +232,8 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         sys_model = model if i == len(args.systems) - 1 else copy.deepcopy(model)
         opts = dict(GEMMA4OPT_SYSTEMS[system])
         set_pdl(opts.pop("pdl", PDL_DEFAULT))      # read at each launch: off for this system's whole run
-        use_tiles(opts.pop("whole_k", True), opts.pop("narrow", True))     # read when a GEMM shape is first tuned
+        use_tiles(opts.pop("whole_k", True), opts.pop("narrow", True),      # read when a GEMM shape is first tuned
+                  opts.pop("row_split", True))
         set_decode_row_warps(opts.pop("row_warps", None))   # read at each launch, captured with the graphs
         set_early_reads(opts.pop("early_kv", False))        # the same
         margins = dict(MARGINS)

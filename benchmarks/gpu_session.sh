@@ -74,9 +74,10 @@
 #   rope       the rotary cos/sin in one launch (rope_cos_sin): its GPU tests (bits over every preset's context, a
 #              graph replay) with the paged generate ones (150 s), the e4b at batch 1 in bf16 and fp8 weights + lm_head
 #              with and without it, beside eager (330 s). One call.
-#   pending-tests, pending-e4b  early-kv and rope in two calls: every GPU test of both with the early-kv mutant
-#              (510 s); the e4b at batch 1 with each on and off, bf16 and fp8 + lm_head, beside eager (420 s), and
-#              the decode attention kernel late against early (100 s).
+#   pending-tests-a, pending-tests-b, pending-e4b  what the CPU-only sessions built, in three calls: early-kv's
+#              GPU tests and mutant (360 s); rope's, the GEMM tests with the one-row split-K tiles (120 s), the decode
+#              attention kernel late against early (100 s); the e4b at batch 1 with each of early-kv, rope and the
+#              one-row split tiles on and off, bf16 and fp8 + lm_head, beside eager (480 s).
 #   profile-e4b-fp8  kernel by kernel, PDL off: the e4b at batch 1 with fp8 weights and lm_head (200 s), then in bf16 (170 s).
 #   profile-presets  kernel by kernel, PDL off: e4b at batch 32, e2b at 1, 26b-a4b at 8 (limits 190 / 130 / 200 s).
 #   narrow-ab-e4b, narrow-ab-26b  the skinny GEMM's narrow tiles at 2-32 rows with and without: e4b at 32,
@@ -202,8 +203,8 @@ parts() {
   case $1 in
     early-kv) echo early-kv-tests early-kv-e4b early-kv-attention early-kv-mutant ;;
     rope) echo rope-tests rope-e4b ;;
-    pending-tests) echo early-kv-tests early-kv-mutant rope-tests ;;
-    pending-e4b) echo pending-e4b early-kv-attention ;;
+    pending-tests-a) echo early-kv-tests early-kv-mutant ;;
+    pending-tests-b) echo rope-tests row-split-tests early-kv-attention ;;
     *) echo "$1" ;;
   esac
 }
@@ -509,11 +510,14 @@ for s in $(for a in "$@"; do parts "$a"; done); do
         (cd /tmp/mutant && PYTHONPATH=/tmp/mutant:$PYTHONPATH stage early-kv-mutant 60 $PYTEST \
               tests/gpu/test_gpu_decode_kernel.py -k appended) ;;
     pending-e4b)
-      stage pending-e4b 420 $GEN e4b --batch 1 --systems eager gemma4opt-no-rope gemma4opt gemma4opt-early-kv \
-            gemma4opt-fp8-head-no-rope gemma4opt-fp8-head gemma4opt-fp8-head-early-kv --json "$OUT/generate.jsonl" ;;
+      stage pending-e4b 480 $GEN e4b --batch 1 --systems eager gemma4opt-no-rope gemma4opt-no-row-split gemma4opt \
+            gemma4opt-early-kv gemma4opt-fp8-head-no-rope gemma4opt-fp8-head gemma4opt-fp8-head-early-kv \
+            --json "$OUT/generate.jsonl" ;;
     # rope_cos_sin: the kernel's bits against PyTorch's over every position of each preset's context (both forms
     # of HF's product), a graph replay with new positions, and the paged generate tests that compare tokens
     # with eager (150 s); the e4b at batch 1 without (-no-rope) and with it, bf16 and fp8 + lm_head (330 s).
+    row-split-tests)
+      stage row-split-tests 120 $PYTEST tests/gpu/test_gpu_linear.py tests/kernels/test_skinny_linear_kernel.py ;;
     rope-tests)
       stage rope-tests 150 $PYTEST tests/gpu/test_gpu_rope.py tests/gpu/test_gpu_paged.py -k "rope or \
             paged_generate_equals_eager or do_not_sync or bucket_graphs" ;;

@@ -14,10 +14,10 @@ where K fits one (``_WHOLE``), loaded whole in one trip to memory. 2 <= M <= 32:
 side, cuBLAS's own layout for these shapes ("TNT" tiles of 128-192 W rows by 32): a 64-128 row W tile
 feeds Hopper's warpgroup MMA, where x-rows-as-M tiles (the first version) ran as low as 0.84x cuBLAS.
 
-Split K (2 <= M only, one more autotuned choice: 1, 2 or 4 splits, up to 16 for N <= NARROW_N): with
-few W rows per program a narrow GEMM has too few programs to fill the GPU evenly (the 31b's
-down_proj). Splits write fp32 partials and a second kernel sums them in split order
-(deterministic), as cuBLAS's split-K does.
+Split K (one more autotuned choice at 2-32 rows: 1, 2 or 4 splits, up to 16 for N <= NARROW_N; at one
+row 2 or 4 for N <= NARROW_N over K >= ROW_SPLIT_MIN_K): with few W rows per program a narrow GEMM has
+too few programs to fill the GPU evenly (the 31b's down_proj). Splits write fp32 partials and a second
+kernel sums them in split order (deterministic), as cuBLAS's split-K does.
 """
 from __future__ import annotations
 
@@ -143,8 +143,10 @@ def _skinny_kernel(X, U, W, Y, P, M, N, K, sxm, sum_, swn, sym,
             acc = _k_tile(acc, X, U, w_rows, k0, hi, nmask, m, mmask, sxm, sum_, BLOCK_M, BLOCK_K, COMPILED, IEEE,
                           SWAP, GELU)
             k0 += BLOCK_K
-    if BLOCK_M == 1:
+    if BLOCK_M == 1 and SPLIT_K == 1:
         tl.store(Y + n, _out(acc, Y.dtype.element_ty, CAP), mask=nmask)
+    elif BLOCK_M == 1:      # fp32 partial of split sk (row 0 of P[sk, 1, N])
+        tl.store(P + sk.to(tl.int64) * N + n, acc, mask=nmask)
     else:
         if SWAP:        # acc is [BLOCK_N, BLOCK_M]
             mo, no = m[None, :], n[:, None]
@@ -197,10 +199,16 @@ _DOT = [(64, 128, 4, 1, 3, True), (64, 128, 4, 1, 5, True), (64, 64, 4, 1, 5, Tr
 # 32 rows where its 1.3 MB need 0.3, its q/k/v, o_proj and down 1.5-2.7x their bytes' time, and the
 # 26b-a4b's dense MLP and o_proj at 8 rows 1.6-2.1x (profile-presets, PDL off, H200).
 NARROW_N = 8192
+# Split K at one row, for a narrow N over a long K (N <= NARROW_N, K >= ROW_SPLIT_MIN_K): the e4b's MLP
+# down (2560 x 10240) took 15.1-15.5 us at one row, 71 % of its bytes' time, where the gate/up GEMM
+# before it (20480 x 2560) reached 84 % (profile_e4b_layers_h200.txt): few programs, each walking a long
+# K. Split in 2 or 4, the partials summed by the second kernel as at 2-32 rows.
+ROW_SPLIT_MIN_K = 4096
+_ROW_SPLIT = [(bn, bk, 4, sk, 3, False) for bn in (4, 8) for bk in (512, 1024) for sk in (2, 4)]
 _DOT_NARROW = [(16, 128, 4, 8, 3, True), (16, 128, 4, 16, 3, True), (32, 128, 4, 4, 3, True),
                (32, 128, 4, 8, 3, True), (64, 128, 4, 8, 3, True)]
 WIDE_SPLIT = max(t[3] for t in _DOT)                  # the most splits a tile offered to N > NARROW_N takes
-MAX_SPLIT = max(WIDE_SPLIT, *(t[3] for t in _DOT_NARROW))
+MAX_SPLIT = max(WIDE_SPLIT, *(t[3] for t in _DOT_NARROW), *(t[3] for t in _ROW_SPLIT))
 
 
 def max_split(N: int) -> int:
@@ -208,13 +216,16 @@ def max_split(N: int) -> int:
     return MAX_SPLIT if N <= NARROW_N else WIDE_SPLIT
 
 
-def tile_configs(row_sum: list[tuple], dot: list[tuple], whole_k: list[tuple] = (), narrow: list[tuple] = ()):
+def tile_configs(row_sum: list[tuple], dot: list[tuple], whole_k: list[tuple] = (), narrow: list[tuple] = (),
+                 row_split: list[tuple] = ()):
     """Autotune configs from (BLOCK_N, BLOCK_K, warps, splits, stages, SWAP) tuples, and the prune
     that keeps the row-sum path's configs for one row and tl.dot's for more; ``whole_k`` ones join
     the row-sum configs of a K they cover in one tile, ``narrow`` ones the tl.dot configs of an
-    N <= NARROW_N (each while ``use_tiles`` offers them)."""
+    N <= NARROW_N, ``row_split`` ones the row-sum configs of an N <= NARROW_N with K >= ROW_SPLIT_MIN_K
+    (each while ``use_tiles`` offers them)."""
     configs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "SWAP": swap}, num_warps=w, num_stages=st)
-               for bn, bk, w, sk, st, swap in dict.fromkeys(row_sum + dot + list(whole_k) + list(narrow))]
+               for bn, bk, w, sk, st, swap in dict.fromkeys(row_sum + dot + list(whole_k) + list(narrow)
+                                                            + list(row_split))]
 
     def key(c):
         k = c.kwargs
@@ -226,6 +237,8 @@ def tile_configs(row_sum: list[tuple], dot: list[tuple], whole_k: list[tuple] = 
         if bm == 1 and _offered["whole_k"]:
             K = named_args["K"]
             want |= {t for t in whole_k if t[1] // 2 < K <= t[1]}
+        if bm == 1 and _offered["row_split"] and row_splits(named_args["N"], named_args["K"]):
+            want |= set(row_split)
         if bm > 1 and _offered["narrow"] and named_args["N"] <= NARROW_N:
             want |= set(narrow)
         return [c for c in configs if key(c) in want] or configs
@@ -247,19 +260,24 @@ def _sum_splits(nargs, exception=None):
                                                      BLOCK=512, CAP=nargs.get("CAP", 0.0), **pdl_flags(y))
 
 
-_offered = {"whole_k": True, "narrow": True}
+_offered = {"whole_k": True, "narrow": True, "row_split": True}
 
 
-def use_tiles(whole_k: bool = True, narrow: bool = True) -> None:
-    """Offer the whole-K tiles at one row and the narrow tiles at 2-32 rows, or not (benchmarks:
-    their share). Forgets the tuned tiles, which were picked with or without them."""
-    want = {"whole_k": whole_k, "narrow": narrow}
+def row_splits(N: int, K: int) -> bool:
+    """Whether split-K tiles are offered at one row to an N x K weight (while use_tiles offers them)."""
+    return _offered["row_split"] and N <= NARROW_N and K >= ROW_SPLIT_MIN_K
+
+
+def use_tiles(whole_k: bool = True, narrow: bool = True, row_split: bool = True) -> None:
+    """Offer the whole-K tiles at one row, the narrow tiles at 2-32 rows and the split-K tiles at one
+    row, or not (benchmarks: their share). Forgets the tuned tiles, which were picked with or without them."""
+    want = {"whole_k": whole_k, "narrow": narrow, "row_split": row_split}
     if want != _offered:
         _offered.update(want)
         _tuned.cache.clear()
 
 
-_CONFIGS, _keep = tile_configs(_ROW_SUM, _DOT, _WHOLE, _DOT_NARROW)
+_CONFIGS, _keep = tile_configs(_ROW_SUM, _DOT, _WHOLE, _DOT_NARROW, _ROW_SPLIT)
 _tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M"], do_bench=bench_short, post_hook=_sum_splits,
                          prune_configs_by={"early_config_prune": _keep})(_skinny_kernel)
 
@@ -287,7 +305,8 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | N
     if M and N:
         bm = 1 if M == 1 else 16 if M <= 16 else 32
         # Room for the most splits any config may take; a config with fewer uses the first ones.
-        part = torch.empty(max_split(N) * M * N if bm > 1 else 1, dtype=torch.float32, device=x.device)
+        splits = bm > 1 or row_splits(N, K) or (config or {}).get("SPLIT_K", 1) > 1
+        part = torch.empty(max_split(N) * M * N if splits else 1, dtype=torch.float32, device=x.device)
         args = (x2, u2, weight, y, part, M, N, K, x2.stride(0), u2.stride(0), weight.stride(0), y.stride(0))
         flags = dict(BLOCK_M=bm, COMPILED=_COMPILED, IEEE=x.dtype == torch.float32, CAP=float(cap or 0.0),
                      GELU=up is not None, **pdl_flags(y))
@@ -299,7 +318,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | N
             split = _tuned.best_config.kwargs["SPLIT_K"]
         else:
             meta = {**dict(SPLIT_K=1, SWAP=False, num_warps=4, num_stages=3), **config}
-            split = meta["SPLIT_K"] if bm > 1 else 1
+            split = meta["SPLIT_K"]
             if split > max_split(N) or (meta["SWAP"] and bm == 1):
                 raise ValueError(f"gemma4opt skinny_linear: config {config} (at most {max_split(N)} splits; "
                                  f"SWAP needs 2+ rows)")

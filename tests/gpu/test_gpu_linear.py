@@ -122,3 +122,21 @@ def test_gate_up_gelu_linear_op_equals_hf_math(rows, i, h):
     assert got.shape == (rows, 1, h) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
     assert not gl.failures()
+
+
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("n,k", [(2560, 10240), (5376, 21504)])     # the e4b's and the 31b's MLP down
+def test_one_row_split_k_tiles_compiled(split, gelu, n, k):
+    """The split-K tiles offered at one row, compiled, at the shapes they are offered for."""
+    from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_mul_triton
+    from gemma4opt.kernels.skinny_linear import skinny_linear_triton
+
+    torch.manual_seed(split + n)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    up = torch.randn(1, k, device="cuda", dtype=torch.bfloat16) if gelu else None
+    w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
+    for bk in (512, 1024):
+        got = skinny_linear_triton(x, w, dict(BLOCK_N=4, BLOCK_K=bk, SPLIT_K=split), up=up)
+        act = gelu_tanh_mul_triton(x, up) if gelu else x
+        torch.testing.assert_close(got.float(), F.linear(act.float(), w.float()), rtol=1e-2, atol=2e-2)

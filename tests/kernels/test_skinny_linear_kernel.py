@@ -95,7 +95,7 @@ def test_narrow_tiles_are_offered_to_narrow_n_at_two_rows_and_more():
         return {c.kwargs["SPLIT_K"] for c in sl._keep(sl._CONFIGS, dict(K=2560, N=N, BLOCK_M=bm))}
     assert max(splits(256, 32)) == 16 and max(splits(sl.NARROW_N, 16)) == 16
     assert max(splits(sl.NARROW_N + 1, 32)) == sl.WIDE_SPLIT == sl.max_split(sl.NARROW_N + 1)
-    assert splits(256, 1) == {1}            # one row: the row sums, never split
+    assert splits(256, 1) == {1}            # one row, a short K: the row sums, unsplit
     sl.use_tiles(narrow=False)
     try:
         assert max(splits(256, 32)) == sl.WIDE_SPLIT
@@ -220,3 +220,39 @@ def test_gate_up_gelu_linear_op_is_the_mlp_off_cuda():
     y = F.linear(x, w_gu)
     want = F.linear(F.gelu(y[..., :24], approximate="tanh") * y[..., 24:], w_d)
     assert torch.equal(torch.ops.gemma4opt.gate_up_gelu_linear(x, w_gu, w_d), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [2, 3, 4])
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("n,k", [(9, 70), (33, 260), (5, 33)])
+def test_one_row_split_k(dtype, split, gelu, n, k):
+    """At one row, K split (uneven chunks, some empty when K is short): the partials of the row sums
+    added by the second kernel in split order, with the gelu·mul input made as it is read."""
+    g = torch.Generator().manual_seed(split * 10 + n)
+    gu = (torch.randn(1, 2 * k, generator=g) * 2).to(dtype).to(DEVICE)
+    x, up = gu[:, :k], gu[:, k:]
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).to(DEVICE)
+    cfg = dict(BLOCK_N=4, BLOCK_K=32, SPLIT_K=split)
+    got = skinny_linear_triton(x, w, cfg, up=up if gelu else None)
+    from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_mul_triton
+
+    act = gelu_tanh_mul_triton(x, up) if gelu else x        # the bits the GEMM makes (tested above)
+    close(got, F.linear(act.float(), w.float()).to(dtype), dtype)
+    if k > 32 * split:      # every split holds a tile: the unsplit tile's sum in another order
+        close(got, skinny_linear_triton(x, w, dict(BLOCK_N=4, BLOCK_K=32), up=up if gelu else None), dtype)
+
+
+def test_one_row_split_tiles_are_offered_to_narrow_n_over_long_k():
+    from gemma4opt.kernels import skinny_linear as sl
+
+    def splits(N, K):
+        return {c.kwargs["SPLIT_K"] for c in sl._keep(sl._CONFIGS, dict(K=K, N=N, BLOCK_M=1))}
+    assert splits(2560, 10240) == {1, 2, 4}                     # the e4b's MLP down
+    assert splits(2560, sl.ROW_SPLIT_MIN_K - 1) == {1}          # o_proj, q/k/v: K too short
+    assert splits(sl.NARROW_N + 1, 10240) == {1}                # a wide N fills the GPU unsplit
+    sl.use_tiles(row_split=False)
+    try:
+        assert splits(2560, 10240) == {1}
+    finally:
+        sl.use_tiles()
