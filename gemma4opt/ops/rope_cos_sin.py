@@ -48,8 +48,8 @@ def _(position_ids, inv_freq, scaling, dtype, matmul, max_positions):
 
 
 # (inv_freq's address, its version, device, dtype, scaling, matmul, max_positions, TF32 allowed)
-# -> (weak reference to that inv_freq, whether the kernel gives the reference's bits).
-_VERDICTS: dict[tuple, tuple[weakref.ref, bool]] = {}
+# -> (weak reference to that inv_freq, whether the kernel gives the reference's bits, why not).
+_VERDICTS: dict[tuple, tuple[weakref.ref, bool, str]] = {}
 
 
 def _key(inv_freq, dtype, scaling, matmul, max_positions):
@@ -82,17 +82,20 @@ def uses_kernel(inv_freq, scaling, dtype, matmul, max_positions) -> bool | None:
         return seen[1]
     if inv_freq.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    ok = kernel_matches(inv_freq, scaling, dtype, matmul, max_positions)
-    _VERDICTS[key] = (weakref.ref(inv_freq), ok)
+    try:
+        ok, why = kernel_matches(inv_freq, scaling, dtype, matmul, max_positions), "its cos/sin differ from PyTorch's"
+    except Exception as e:      # a kernel that does not build or run here: PyTorch's ops, said in the report
+        ok, why = False, f"it failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    _VERDICTS[key] = (weakref.ref(inv_freq), ok, why)
     return ok
 
 
 def verdicts(tensors=None) -> list[str]:
     """Lines for the report: the inv_freqs (live ones; of ``tensors`` only, if given: a model's
-    buffers) whose kernel bits differed from the reference's."""
+    buffers) whose kernel failed its check, and why."""
     mine = None if tensors is None else {id(t) for t in tensors}
-    return [f"rope_cos_sin: the Triton kernel's cos/sin differ from PyTorch's on {k[2]} ({k[3]}, "
-            f"{k[6]} positions): PyTorch's ops run" for k, (ref, ok) in _VERDICTS.items()
+    return [f"rope_cos_sin: the Triton kernel is not used on {k[2]} ({k[3]}, {k[6]} positions): {why}; "
+            "PyTorch's ops run" for k, (ref, ok, why) in _VERDICTS.items()
             if not ok and ref() is not None and (mine is None or id(ref()) in mine)]
 
 

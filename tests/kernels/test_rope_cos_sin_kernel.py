@@ -137,7 +137,7 @@ def test_a_failed_check_is_reported_while_its_inv_freq_lives(counted):
     answer["ok"] = False
     inv = _inv_freq(4).cpu()
     assert uses_kernel(inv, 1.0, torch.bfloat16, False, 64) is False
-    assert len(verdicts()) == 1 and "PyTorch's ops run" in verdicts()[0]
+    assert len(verdicts()) == 1 and "cos/sin differ from PyTorch's; PyTorch's ops run" in verdicts()[0]
     del inv
     assert verdicts() == []
 
@@ -152,4 +152,15 @@ def test_report_lists_a_failed_check_of_its_own_models_rotary_only(counted):
     uses_kernel(other, 1.0, torch.bfloat16, False, 64)
     assert len(verdicts()) == 2 and len(verdicts([mine])) == 1
     text = str(Report("M", "causal_lm", None, 1, 1, 0, {}, kernel_checks=verdicts([mine])))
-    assert "rope_cos_sin: the Triton kernel's cos/sin differ from PyTorch's on cpu" in text
+    assert "rope_cos_sin: the Triton kernel is not used on cpu" in text
+
+
+def test_a_kernel_that_fails_to_build_leaves_the_reference(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no libdevice here\nmore")
+
+    monkeypatch.setattr(rope_op, "_VERDICTS", {})
+    monkeypatch.setattr(rope_op, "kernel_matches", broken)
+    inv = _inv_freq(4).cpu()
+    assert uses_kernel(inv, 1.0, torch.bfloat16, False, 64) is False
+    assert "it failed (RuntimeError: no libdevice here)" in verdicts([inv])[0]
