@@ -8,6 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
+# False under Triton's interpreter (CPU tests), whose limits the kernels work around where this is.
+COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
+
 # Programmatic dependent launch (Hopper+): a kernel launched with it may be scheduled while the
 # kernel before it is still finishing; it waits (griddepcontrol.wait) before touching memory, so
 # results are unchanged and only the launch gap between back-to-back kernels is hidden. Decode
@@ -23,7 +26,7 @@ def set_pdl(on: bool) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _pdl_capable(index: int) -> bool:
-    return os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(index)[0] >= 9
+    return COMPILED and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def pdl_flags(t: torch.Tensor) -> dict:

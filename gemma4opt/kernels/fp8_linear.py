@@ -15,19 +15,16 @@ ops/fp8_linear.py runs it for <= 32 rows where it timed faster than torch._scale
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels._util import pdl_flags, pdl_prologue, rows_view
+from gemma4opt.kernels._util import COMPILED as _COMPILED, pdl_flags, pdl_prologue, rows_view
 from gemma4opt.kernels.skinny_linear import _out, bench_short, row_dot_tile
 
 MAX_ROWS = 32
 # The interpreter (CPU tests) runs one config, a while loop for K, and fp32 dot tiles (as in
 # skinny_linear; fp8 values are exact in fp32, so the products are the same).
-_COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
 _INTERPRETER_SPLIT = 2      # the one config the interpreter runs for 2+ rows (tests may change it)
 
 

@@ -30,19 +30,16 @@ e4m3 -> fp16 is one instruction where -> bf16 takes three.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels._util import pdl_flags, pdl_prologue
+from gemma4opt.kernels._util import COMPILED as _COMPILED, pdl_flags, pdl_prologue
 
 MAX_SPLITS = 64
 # Triton's interpreter (CPU tests) cannot take loaded values as range() bounds and multiplies
 # bf16 tiles as raw integers: there the loop is a while loop and tiles are multiplied in fp32.
 # The compiled kernel keeps the for loop (Triton software-pipelines it, not a while loop).
-_COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
 _EARLY = {"on": False}
 
 

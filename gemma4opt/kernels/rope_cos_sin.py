@@ -9,17 +9,12 @@ position once per device before the kernel is used, and runs PyTorch's ops if th
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from gemma4opt.kernels._util import pdl_flags, pdl_prologue
-
-# Triton's interpreter (CPU tests) has no libdevice: numpy's cos and sin stand in there.
-_COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
+from gemma4opt.kernels._util import COMPILED as _COMPILED, pdl_flags, pdl_prologue
 
 
 @triton.jit
@@ -31,7 +26,7 @@ def _rope_cos_sin_kernel(POS, INV, COS, SIN, scaling, HALF, BLOCK: tl.constexpr,
     mask = j < HALF
     pos = tl.load(POS + row).to(tl.float32)            # position_ids.float(): int64 -> fp32, nearest
     f = pos * tl.load(INV + j, mask=mask, other=0.0).to(tl.float32)
-    if COMPILED:
+    if COMPILED:        # the interpreter (CPU tests) has no libdevice: numpy's cos and sin stand in
         c, s = libdevice.cos(f), libdevice.sin(f)
     else:
         c, s = tl.cos(f), tl.sin(f)

@@ -21,14 +21,12 @@ kernel sums them in split order (deterministic), as cuBLAS's split-K does.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 import triton.testing
 
-from gemma4opt.kernels._util import pdl_flags, pdl_prologue, rows_view
+from gemma4opt.kernels._util import COMPILED as _COMPILED, pdl_flags, pdl_prologue, rows_view
 from gemma4opt.kernels.gelu_tanh_mul import gelu_tanh_rounded
 from gemma4opt.kernels.softcap import softcap_rounded
 
@@ -36,7 +34,6 @@ MAX_ROWS = 32
 # Triton's interpreter (CPU tests) multiplies bf16 dot tiles as raw integers, takes no runtime
 # loop bound and cannot benchmark configs: there tiles go to fp32, the loop is a while loop, and
 # one config runs. The compiled kernel keeps the for loop (Triton pipelines its loads).
-_COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
 _INTERPRETER_SPLIT = 2      # the one config the interpreter runs for 2+ rows (tests may change it)
 
 

@@ -64,8 +64,9 @@ def kernel_matches(inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype, m
     from gemma4opt.kernels.rope_cos_sin import rope_cos_sin_triton
 
     kernel = kernel or rope_cos_sin_triton
-    for lo in range(0, max(max_positions, 1), _CHUNK):
-        pos = torch.arange(lo, min(lo + _CHUNK, max(max_positions, 1)), device=inv_freq.device)[None]
+    end = max(max_positions, 1)
+    for lo in range(0, end, _CHUNK):
+        pos = torch.arange(lo, min(lo + _CHUNK, end), device=inv_freq.device)[None]
         want = rope_cos_sin_reference(pos, inv_freq, scaling, dtype, matmul)
         got = kernel(pos, inv_freq, scaling, dtype)
         if not all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want)):
