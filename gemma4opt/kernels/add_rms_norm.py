@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from gemma4opt.kernels._util import dense, pdl_flags, pdl_prologue, row_launch, rows_view
+from gemma4opt.kernels.rms_norm import inv_rms
 
 
 @triton.jit
@@ -24,16 +25,20 @@ def add_rms_norm_row(X, R, W1, SCALE, W2, S, row, sx, sr, ss, cols, mask, D, eps
     r = tl.load(R + row * sr + cols, mask=mask, other=0.0).to(tl.float32)
     w1 = tl.load(W1 + cols, mask=mask, other=0.0).to(tl.float32)
     w2 = tl.load(W2 + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SCALE:
-        scale = tl.load(SCALE).to(tl.float32)
-    inv1 = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps1)
-    n1 = (x * inv1 * w1).to(dt).to(tl.float32)
-    s = (r + n1).to(dt).to(tl.float32)
+    scale = tl.load(SCALE).to(tl.float32) if HAS_SCALE else 1.0
+    s = residual_sum(x, r, w1, inv_rms(x, D, eps1), scale, dt, HAS_SCALE)
+    tl.store(S + row * ss + cols, s.to(dt), mask=mask)
+    return (s * inv_rms(s, D, eps2) * w2).to(dt).to(tl.float32)
+
+
+@triton.jit
+def residual_sum(x, r, w1, inv1, scale, dt: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """s = r + rms_norm(x, w1) (times scale) in fp32, each step rounded to dt as HF's eager code
+    rounds it, given x's norm factor inv1 (kernels/norm_linear.py makes it tile by tile too)."""
+    s = (r + (x * inv1 * w1).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     if HAS_SCALE:
         s = (s * scale).to(dt).to(tl.float32)
-    tl.store(S + row * ss + cols, s.to(dt), mask=mask)
-    inv2 = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / D + eps2)
-    return (s * inv2 * w2).to(dt).to(tl.float32)
+    return s
 
 
 @triton.jit
