@@ -261,6 +261,12 @@ def _decode_gemms(device: str, op_state: OpState) -> str:
         text += "; gelu·mul into the next GEMM (MLP down, PLE projection): " + _picks_line(
             gelu_linear, op_state, "the skinny GEMM making gelu·mul as it reads", "the gelu·mul kernel then the GEMM",
             "rows", "")
+    from gemma4opt.ops import norm_linear
+
+    if norm_linear.picks(op_state):
+        text += "; residual tail into the next GEMM (q/k/v, per-layer-input gate): " + _picks_line(
+            norm_linear, op_state, "the skinny GEMM making the tail as it reads", "the tail kernel then the GEMM",
+            "rows", "")
     if linear_softcap.picks(op_state):
         text += "; lm_head + softcap: " + _picks_line(linear_softcap, op_state,
                                                        "the skinny GEMM with the softcap epilogue",

@@ -13,7 +13,8 @@ NEEDS = {"norm_rope": ["rms_norm"], "residual_norm": ["rms_norm"], "moe_router":
          "norm_add": ["rms_norm", "residual_norm"],
          "gelu_tanh_mul": ["merged_projections"],
          "gate_up_gelu": ["merged_projections", "gelu_tanh_mul", "decode_linear"],
-         "gelu_linear": ["merged_projections", "gelu_tanh_mul", "decode_linear"]}
+         "gelu_linear": ["merged_projections", "gelu_tanh_mul", "decode_linear"],
+         "norm_linear": ["rms_norm", "merged_projections", "residual_norm", "norm_add", "decode_linear"]}
 # Ops of the fused blocks that must not survive the pass.
 GONE = {"gelu_tanh_mul": ["gelu"], "norm_rope": ["neg"], "logit_softcap": ["tanh"],
         "moe_router": ["topk", "softmax", "itruediv"], "residual_norm": ["imul"],
@@ -99,8 +100,12 @@ def test_all_patterns_together_leave_no_norm_math():
     fused = c.gemma4opt_ops()
     L, shared = cfg.num_hidden_layers, cfg.num_kv_shared_layers
     assert fused["rms_norm_rope"] == 2 * L - shared
-    assert fused["add_rms_norm"] == 2 * L
-    assert fused["norm_add"] == L + 1       # each post-feedforward tail, and the PLE inputs' combine
+    # Every residual tail fused (each attention tail, each layer's end, each post-feedforward tail,
+    # the PLE inputs' combine), those feeding a GEMM inside it: each layer's end but the last, and
+    # each post-feedforward tail, whose sums feed the next q/k/v and the per-layer-input gate.
+    assert fused["norm_linear"] == 2 * L - 1
+    assert fused["add_rms_norm"] == 2 * L - (L - 1)
+    assert fused["norm_add"] == L + 1 - L
     assert fused["linear_softcap"] == 1
     assert fused["gelu_linear"] == L        # each layer's PLE gelu·mul, inside its projection
     assert fused["gate_up_gelu_linear"] == L and fused["gate_up_gelu"] == 0     # each MLP's, with its down
