@@ -16,7 +16,8 @@ Fused::
 At one decode row on CUDA the GEMM makes the tail as it reads its input (one launch for two)
 where that timed faster (ops/norm_linear.py); else, and off CUDA, the two ops. Only a tail whose
 GEMM input has no other reader (the normed output's one user is the GEMM; s may have many). With
-quantization="fp8" those GEMMs are fp8_linear, fed by the tail's own quantizing kernel: no match.
+quantization="fp8" the q/k/v are fp8_linear, fed by the tail's own quantizing kernel: no match there
+(the per-layer-input gate stays bf16 and matches).
 """
 from __future__ import annotations
 
@@ -34,11 +35,11 @@ class NormLinearPattern(Pattern):
     summary = "residual tail + the GEMM reading it (next q/k/v, per-layer-input gate) -> one op (tail inside the GEMM at one row)"
 
     def expected(self, cfg, scope):
-        if self.quantization == "fp8":
-            return 0
-        # Each layer's end feeds the next layer's q/k/v (the last one's feeds the final norm), and
-        # with per-layer inputs each MLP's end feeds that layer's gate.
-        return cfg.num_hidden_layers - 1 + (cfg.num_hidden_layers if cfg.hidden_size_per_layer_input else 0)
+        # Each layer's end feeds the next layer's q/k/v (the last one's feeds the final norm; with
+        # fp8 weights an fp8 GEMM, through the tail's quantizing kernel), and with per-layer inputs
+        # each MLP's end feeds that layer's gate (bf16 with fp8 weights too).
+        L = cfg.num_hidden_layers
+        return (0 if self.quantization == "fp8" else L - 1) + (L if cfg.hidden_size_per_layer_input else 0)
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = PassResult()

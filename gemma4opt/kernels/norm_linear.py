@@ -26,8 +26,8 @@ import triton.language as tl
 from gemma4opt.kernels._util import COMPILED as _COMPILED, dense, pdl_flags, pdl_prologue, rows_view
 from gemma4opt.kernels.add_rms_norm import residual_sum
 from gemma4opt.kernels.rms_norm import inv_rms
-from gemma4opt.kernels.skinny_linear import (_ROW_SPLIT, _ROW_SUM, _WHOLE, _out, _sum_splits, bench_short, max_split,
-                                             row_splits, tile_configs)
+from gemma4opt.kernels.skinny_linear import (_ROW_SPLIT, _ROW_SUM, _WHOLE, _out, _sum_splits, bench_short, launch_tiles,
+                                             max_split, row_splits, tile_configs)
 
 MAX_K = 4096
 
@@ -168,14 +168,6 @@ def norm_linear_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                  HAS_SCALE=scale is not None, COMPILED=_COMPILED, **pdl_flags(y))
     if config is None and not _COMPILED:
         config = dict(BLOCK_N=4, BLOCK_K=32)
-    if config is None:
-        _tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])](*args, **flags)
-        split = _tuned.best_config.kwargs["SPLIT_K"]
-    else:
-        meta = {**dict(SPLIT_K=1, SWAP=False, num_warps=4, num_stages=3), **config}
-        split = meta["SPLIT_K"]
-        if split > max_split(N):
-            raise ValueError(f"gemma4opt norm_linear: config {config} (at most {max_split(N)} splits)")
-        _norm_linear_kernel[(triton.cdiv(N, meta["BLOCK_N"]), split)](*args, **meta, **flags)
+    split = launch_tiles(_tuned, _norm_linear_kernel, args, flags, config, N, False, "norm_linear")
     _sum_splits(dict(P=part, Y=y, M=1, N=N, SPLIT_K=split, CAP=0.0))
     return s.view(x.shape), y.view(*x.shape[:-1], N)

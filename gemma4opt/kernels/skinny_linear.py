@@ -279,6 +279,20 @@ _tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M"], do_bench=b
                          prune_configs_by={"early_config_prune": _keep})(_skinny_kernel)
 
 
+def launch_tiles(tuned, kernel, args: tuple, flags: dict, config: dict | None, N: int, swap_ok: bool,
+                 what: str) -> int:
+    """Launch ``kernel`` on one tile ``config`` (tests, sweeps), else its autotuned ``tuned``, over
+    N in BLOCK_N blocks and K in SPLIT_K splits; returns the splits taken (their sum is the caller's)."""
+    if config is None:
+        tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])](*args, **flags)
+        return tuned.best_config.kwargs["SPLIT_K"]
+    meta = {**dict(SPLIT_K=1, SWAP=False, num_warps=4, num_stages=3), **config}
+    if meta["SPLIT_K"] > max_split(N) or (meta["SWAP"] and not swap_ok):
+        raise ValueError(f"gemma4opt {what}: config {config} (at most {max_split(N)} splits; SWAP needs 2+ rows)")
+    kernel[(triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])](*args, **meta, **flags)
+    return meta["SPLIT_K"]
+
+
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None,
                          cap: float | None = None, up: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] with at most MAX_ROWS rows in all, weight [N, K] (unit stride along K) -> [..., N];
@@ -310,16 +324,6 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | N
         if config is None and not _COMPILED:
             bn, split = (4, 1) if bm == 1 else (16, _INTERPRETER_SPLIT)
             config = dict(BLOCK_N=bn, BLOCK_K=32, SPLIT_K=split)
-        if config is None:
-            _tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])](*args, **flags)
-            split = _tuned.best_config.kwargs["SPLIT_K"]
-        else:
-            meta = {**dict(SPLIT_K=1, SWAP=False, num_warps=4, num_stages=3), **config}
-            split = meta["SPLIT_K"]
-            if split > max_split(N) or (meta["SWAP"] and bm == 1):
-                raise ValueError(f"gemma4opt skinny_linear: config {config} (at most {max_split(N)} splits; "
-                                 f"SWAP needs 2+ rows)")
-            meta.update(SPLIT_K=split)
-            _skinny_kernel[(triton.cdiv(N, meta["BLOCK_N"]), split)](*args, **meta, **flags)
+        split = launch_tiles(_tuned, _skinny_kernel, args, flags, config, N, bm > 1, "skinny_linear")
         _sum_splits(dict(P=part, Y=y, M=M, N=N, SPLIT_K=split, CAP=flags["CAP"]))
     return y.view(*x.shape[:-1], N)
