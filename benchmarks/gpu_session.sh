@@ -74,6 +74,9 @@
 #   rope       the rotary cos/sin in one launch (rope_cos_sin): its GPU tests (bits over every preset's context, a
 #              graph replay) with the paged generate ones (150 s), the e4b at batch 1 in bf16 and fp8 weights + lm_head
 #              with and without it, beside eager (330 s). One call.
+#   pending-quick  the most of that in one call where device time is short: norm_linear's GPU tests (150 s),
+#              rope_cos_sin's bit tests (90 s), the e4b at batch 1 in bf16 with and without each of norm_linear,
+#              rope_cos_sin and the one-row split tiles, beside eager (330 s).
 #   pending-tests-a, pending-tests-b, pending-e4b  what the CPU-only sessions built, in three calls: early-kv's
 #              GPU tests and mutant (360 s), the decode attention kernel late against early (100 s); rope's GPU tests
 #              with the paged generate ones (150 s), norm_linear's (150 s), the GEMM tests with the one-row split-K
@@ -204,6 +207,7 @@ parts() {
   case $1 in
     early-kv) echo early-kv-tests early-kv-e4b early-kv-attention early-kv-mutant ;;
     rope) echo rope-tests rope-e4b ;;
+    pending-quick) echo norm-linear-tests rope-kernel-tests quick-e4b ;;
     pending-tests-a) echo early-kv-tests early-kv-mutant early-kv-attention ;;
     pending-tests-b) echo rope-tests norm-linear-tests row-split-tests ;;
     *) echo "$1" ;;
@@ -514,6 +518,11 @@ for s in $(for a in "$@"; do parts "$a"; done); do
       stage pending-e4b 560 $GEN e4b --batch 1 --systems eager gemma4opt-no-norm-linear gemma4opt gemma4opt-no-rope \
             gemma4opt-no-row-split gemma4opt-norm-linear-forced gemma4opt-fp8-head-no-rope gemma4opt-fp8-head \
             gemma4opt-early-kv --json "$OUT/generate.jsonl" ;;
+    rope-kernel-tests)
+      stage rope-kernel-tests 90 $PYTEST tests/gpu/test_gpu_rope.py ;;
+    quick-e4b)
+      stage quick-e4b 330 $GEN e4b --batch 1 --systems eager gemma4opt-no-norm-linear gemma4opt gemma4opt-no-rope \
+            gemma4opt-no-row-split --json "$OUT/generate.jsonl" ;;
     # norm_linear: the tail inside the GEMM compiled against the two kernels at the presets' shapes, every tile
     # kind, the op's pick and a graph replay; the interpreter's kernel tests compiled (150 s).
     norm-linear-tests)

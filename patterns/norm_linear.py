@@ -90,16 +90,17 @@ def _fuse_tail(graph: fx.Graph, tail: fx.Node) -> int:
         return 0
     args = tail.args
     if gemm_input is n:
-        _replace(graph, tail, (*args, lin.args[1]), [s] if s is not None else [], lin)
+        new = _replace(graph, tail, (*args, lin.args[1]), [s] if s is not None else [], lin)
         dead = [n, tail]
     else:
         with graph.inserting_before(tail):
             sliced = [graph.call_function(operator.getitem, (v, idx)) for v in args[:2]]
-        _replace(graph, tail, (*sliced, *args[2:], lin.args[1]), list(s.users) if s is not None else [], lin)
+        new = sliced + _replace(graph, tail, (*sliced, *args[2:], lin.args[1]), list(s.users) if s is not None else [],
+                                lin)
         dead = [gemm_input, n, *([s] if s is not None else []), tail]
-        place(sliced)
     for node in dead:
         graph.erase_node(node)
+    place(new)      # together: a slice bound may come late (-logits_to_keep as a graph input)
     return 1
 
 
@@ -108,13 +109,15 @@ def _fuse_sum(graph: fx.Graph, tail: fx.Node) -> int:
     if lin is None or tail.kwargs:
         return 0
     x, w, eps, residual, _, y_eps, _ = tail.args
-    _replace(graph, tail, (x, residual, w, eps, None, None, y_eps, lin.args[1]), [tail], lin)
+    new = _replace(graph, tail, (x, residual, w, eps, None, None, y_eps, lin.args[1]), [tail], lin)
     graph.erase_node(tail)
+    place(new)
     return 1
 
 
-def _replace(graph: fx.Graph, tail: fx.Node, args: tuple, sums: list[fx.Node], lin: fx.Node) -> None:
-    """norm_linear(*args) in place of ``lin`` and of ``sums`` (the nodes holding the tail's sum, if read)."""
+def _replace(graph: fx.Graph, tail: fx.Node, args: tuple, sums: list[fx.Node], lin: fx.Node) -> list[fx.Node]:
+    """norm_linear(*args) in place of ``lin`` and of ``sums`` (the nodes holding the tail's sum, if
+    read): the new nodes, for place() once the old ones are gone."""
     with graph.inserting_before(tail):      # moved by place() where the order needs it
         fused = graph.call_function(torch.ops.gemma4opt.norm_linear.default, args)
         new_y = graph.call_function(operator.getitem, (fused, 1))
@@ -131,4 +134,4 @@ def _replace(graph: fx.Graph, tail: fx.Node, args: tuple, sums: list[fx.Node], l
             if node is not tail:
                 graph.erase_node(node)
         new.append(new_s)
-    place(new)
+    return new
