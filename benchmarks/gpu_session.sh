@@ -74,12 +74,12 @@
 #   rope       the rotary cos/sin in one launch (rope_cos_sin): its GPU tests (bits over every preset's context, a
 #              graph replay) with the paged generate ones (150 s), the e4b at batch 1 in bf16 and fp8 weights + lm_head
 #              with and without it, beside eager (330 s). One call.
-#   pending-quick  the most of that in one call where device time is short: norm_linear's GPU tests (150 s),
+#   pending-quick  the most of that in one call where device time is short: norm_linear's GPU tests (120 s),
 #              rope_cos_sin's bit tests (90 s), the e4b at batch 1 in bf16 with and without each of norm_linear,
-#              rope_cos_sin and the one-row split tiles, beside eager (330 s).
+#              rope_cos_sin and the one-row split tiles, beside eager (360 s; FlashInfer JIT-compiles in it).
 #   pending-tests-a, pending-tests-b, pending-e4b  what the CPU-only sessions built, in three calls: early-kv's
 #              GPU tests and mutant (360 s), the decode attention kernel late against early (100 s); rope's GPU tests
-#              with the paged generate ones (150 s), norm_linear's (150 s), the GEMM tests with the one-row split-K
+#              with the paged generate ones (150 s), norm_linear's (120 s), the GEMM tests with the one-row split-K
 #              tiles (120 s); the e4b at batch 1 with each of norm_linear, rope, the one-row split tiles and early-kv
 #              on and off, bf16 (rope also fp8 + lm_head), beside eager (560 s; rows measured before a time-out are kept).
 #   profile-e4b-fp8  kernel by kernel, PDL off: the e4b at batch 1 with fp8 weights and lm_head (200 s), then in bf16 (170 s).
@@ -521,12 +521,12 @@ for s in $(for a in "$@"; do parts "$a"; done); do
     rope-kernel-tests)
       stage rope-kernel-tests 90 $PYTEST tests/gpu/test_gpu_rope.py ;;
     quick-e4b)
-      stage quick-e4b 330 $GEN e4b --batch 1 --systems eager gemma4opt-no-norm-linear gemma4opt gemma4opt-no-rope \
+      stage quick-e4b 360 $GEN e4b --batch 1 --systems eager gemma4opt-no-norm-linear gemma4opt gemma4opt-no-rope \
             gemma4opt-no-row-split --json "$OUT/generate.jsonl" ;;
     # norm_linear: the tail inside the GEMM compiled against the two kernels at the presets' shapes, every tile
     # kind, the op's pick and a graph replay; the interpreter's kernel tests compiled (150 s).
     norm-linear-tests)
-      stage norm-linear-tests 150 $PYTEST tests/gpu/test_gpu_norm_linear.py tests/kernels/test_norm_linear_kernel.py ;;
+      stage norm-linear-tests 120 $PYTEST tests/gpu/test_gpu_norm_linear.py tests/kernels/test_norm_linear_kernel.py ;;
     # rope_cos_sin: the kernel's bits against PyTorch's over every position of each preset's context (both forms
     # of HF's product), a graph replay with new positions, and the paged generate tests that compare tokens
     # with eager (150 s); the e4b at batch 1 without (-no-rope) and with it, bf16 and fp8 + lm_head (330 s).
