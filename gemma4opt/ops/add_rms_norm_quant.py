@@ -4,7 +4,7 @@
     (q, scales) = quantize_rows(n)                                                # ops/fp8.py
     return s, q, scales          # s: the new residual stream (x.dtype); q, scales: the next GEMM's input
 
-Not used by optimize() yet.
+patterns/fp8_quant.py puts it where a residual tail feeds an fp8 GEMM (quantization="fp8").
 """
 from __future__ import annotations
 

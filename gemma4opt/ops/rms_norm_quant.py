@@ -2,7 +2,8 @@
 
     (q, scales) = quantize_rows(rms_norm(x, weight, eps))    # the norm rounded to x.dtype first
 
-q: float8_e4m3fn like x; scales: fp32 x.shape[:-1] (ops/fp8.py). Not used by optimize() yet.
+q: float8_e4m3fn like x; scales: fp32 x.shape[:-1] (ops/fp8.py).
+patterns/fp8_quant.py puts it where a norm feeds an fp8 GEMM (quantization="fp8").
 """
 from __future__ import annotations
 
