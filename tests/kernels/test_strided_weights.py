@@ -12,6 +12,7 @@ from gemma4opt.kernels.add_rms_norm import add_rms_norm_triton
 from gemma4opt.kernels.fp8_quant import add_rms_norm_quant_triton, rms_norm_quant_triton
 from gemma4opt.kernels.moe_router import router_input_triton, router_topk_triton
 from gemma4opt.kernels.norm_add import norm_add_triton
+from gemma4opt.kernels.norm_linear import norm_linear_triton
 from gemma4opt.kernels.qkv_norm_rope_append import qkv_norm_rope_append_triton
 from gemma4opt.kernels.rms_norm import rms_norm_triton
 from gemma4opt.kernels.rms_norm_rope import rms_norm_rope_triton
@@ -79,3 +80,17 @@ def test_qkv_norm_rope_append_reads_strided_q_and_k_weights():
     want = qkv_norm_rope_append_triton(want_pool, q, wq, k, wk, *rest)
     got = qkv_norm_rope_append_triton(got_pool, q, _strided(wq), k, _strided(wk), *rest)
     assert torch.equal(got, want) and torch.equal(got_pool, want_pool)
+
+
+def test_norm_linear_reads_strided_norm_weights():
+    """The GEMM making the residual tail (bf16 only) reads both norm weights strided."""
+    x, r, w = _rows(1).bfloat16(), _rows(1, seed=2).bfloat16(), _rows(7, seed=3).bfloat16()
+    packed = [_vec(seed=i).bfloat16() for i in range(2)]
+    scale = torch.tensor([0.7], device=DEVICE).bfloat16()
+
+    def run(v):
+        return norm_linear_triton(x, r, v[0], 1e-6, scale, v[1], 1e-5, w)
+
+    want = run(packed)
+    got = run([_strided(v) for v in packed])
+    assert all(torch.equal(g, h) for g, h in zip(got, want))
