@@ -169,6 +169,8 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      # norm_linear), and the tail inside those GEMMs whatever each shape's timing picked.
                      "gemma4opt-no-norm-linear": dict(patterns=tuple(p for p in PATTERN_NAMES if p != "norm_linear")),
                      "gemma4opt-norm-linear-forced": dict(margins={"norm_linear": 1e9}),
+                     "gemma4opt-fp8-head-no-norm-linear": dict(quantization="fp8", quantize_lm_head=True, patterns=tuple(
+                         p for p in PATTERN_NAMES if p != "norm_linear")),
                      # The skinny GEMM at one row without its whole-K tiles: their share.
                      "gemma4opt-no-whole-k": dict(whole_k=False),
                      # ... and without its split-K tiles at one row (narrow N, long K: the MLP down).

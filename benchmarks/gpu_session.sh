@@ -81,7 +81,8 @@
 #              GPU tests and mutant (360 s), the decode attention kernel late against early (100 s); rope's GPU tests
 #              with the paged generate ones (150 s), norm_linear's (120 s), the GEMM tests with the one-row split-K
 #              tiles (120 s); the e4b at batch 1 with each of norm_linear, rope, the one-row split tiles and early-kv
-#              on and off, bf16 (rope also fp8 + lm_head), beside eager (560 s; rows measured before a time-out are kept).
+#              on and off, bf16 (norm_linear and rope also fp8 + lm_head), beside eager (560 s; rows measured before
+#              a time-out are kept).
 #   profile-e4b-fp8  kernel by kernel, PDL off: the e4b at batch 1 with fp8 weights and lm_head (200 s), then in bf16 (170 s).
 #   profile-presets  kernel by kernel, PDL off: e4b at batch 32, e2b at 1, 26b-a4b at 8 (limits 190 / 130 / 200 s).
 #   narrow-ab-e4b, narrow-ab-26b  the skinny GEMM's narrow tiles at 2-32 rows with and without: e4b at 32,
@@ -516,8 +517,8 @@ for s in $(for a in "$@"; do parts "$a"; done); do
               tests/gpu/test_gpu_decode_kernel.py -k appended) ;;
     pending-e4b)
       stage pending-e4b 560 $GEN e4b --batch 1 --systems eager gemma4opt-no-norm-linear gemma4opt gemma4opt-no-rope \
-            gemma4opt-no-row-split gemma4opt-norm-linear-forced gemma4opt-fp8-head-no-rope gemma4opt-fp8-head \
-            gemma4opt-early-kv --json "$OUT/generate.jsonl" ;;
+            gemma4opt-no-row-split gemma4opt-fp8-head-no-norm-linear gemma4opt-fp8-head gemma4opt-norm-linear-forced \
+            gemma4opt-fp8-head-no-rope gemma4opt-early-kv --json "$OUT/generate.jsonl" ;;
     rope-kernel-tests)
       stage rope-kernel-tests 90 $PYTEST tests/gpu/test_gpu_rope.py ;;
     quick-e4b)
@@ -526,7 +527,8 @@ for s in $(for a in "$@"; do parts "$a"; done); do
     # norm_linear: the tail inside the GEMM compiled against the two kernels at the presets' shapes, every tile
     # kind, the op's pick and a graph replay; the interpreter's kernel tests compiled (150 s).
     norm-linear-tests)
-      stage norm-linear-tests 120 $PYTEST tests/gpu/test_gpu_norm_linear.py tests/kernels/test_norm_linear_kernel.py ;;
+      stage norm-linear-tests 120 $PYTEST tests/gpu/test_gpu_norm_linear.py tests/kernels/test_norm_linear_kernel.py \
+            tests/kernels/test_norm_fp8_linear_kernel.py ;;
     # rope_cos_sin: the kernel's bits against PyTorch's over every position of each preset's context (both forms
     # of HF's product), a graph replay with new positions, and the paged generate tests that compare tokens
     # with eager (150 s); the e4b at batch 1 without (-no-rope) and with it, bf16 and fp8 + lm_head (330 s).

@@ -279,9 +279,16 @@ def _fp8_gemms(device: str, op_state: OpState) -> str:
 
     if device != "cuda":
         return _reference_line(device, "dequantize, multiply in fp32", "fp8 GEMM")
-    return "torch._scaled_mm above 32 rows; up to 32, " + _picks_line(
+    from gemma4opt.ops import norm_fp8_linear
+
+    text = "torch._scaled_mm above 32 rows; up to 32, " + _picks_line(
         fp8_linear, op_state, "the skinny fp8 Triton GEMM", "torch._scaled_mm", "rows",
         "no shape of <= 32 rows timed yet")
+    if norm_fp8_linear.picks(op_state):
+        text += "; residual tail + quantization into the next fp8 q/k/v: " + _picks_line(
+            norm_fp8_linear, op_state,
+            "the fp8 GEMM quantizing the tail as it reads", "add_rms_norm_quant then the GEMM", "rows", "")
+    return text
 
 
 def _decode_experts(device: str, op_state: OpState) -> str:

@@ -14,6 +14,7 @@ from gemma4opt.ops import (  # noqa: F401
     moe_experts_fp8,
     moe_router,
     norm_add,
+    norm_fp8_linear,
     norm_linear,
     qkv_norm_rope_append,
     quantize_rows,

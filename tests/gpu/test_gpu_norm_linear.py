@@ -68,3 +68,27 @@ def test_op_picks_then_replays_in_a_graph():
     want_s, want_y = op.norm_linear_reference(x, r, w1, 1e-6, sc, w2, 1e-6, w)
     torch.testing.assert_close(gs.float(), want_s.float(), rtol=1e-2, atol=2e-2)
     torch.testing.assert_close(gy.float(), want_y.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("n,k", [(3072, 2560), (2048, 2560), (8192, 2816)])
+def test_fp8_layer_tail_matches_the_quant_kernel_then_the_fp8_gemm(n, k):
+    """With fp8 weights: y against add_rms_norm_quant's bytes through the fp8 GEMM's row sums, the
+    autotuned tile and one fixed tile; then the op's pick."""
+    from gemma4opt.kernels.fp8_linear import fp8_linear_triton
+    from gemma4opt.kernels.fp8_quant import add_rms_norm_quant_triton
+    from gemma4opt.kernels.norm_fp8_linear import norm_fp8_linear_triton
+    from gemma4opt.ops import norm_fp8_linear as fp8_op
+    from gemma4opt.ops.fp8 import quantize_rows_reference
+
+    x, r, w1, sc, w2, w = _inputs(n, k, 3 * n + k)
+    wq, ws = quantize_rows_reference(w.float())
+    want_s, q, qs = add_rms_norm_quant_triton(x, r, w1, 1e-6, sc, w2, 1e-6)
+    for config in (None, dict(BLOCK_N=8, BLOCK_K=512)):
+        s, y = norm_fp8_linear_triton(x, r, w1, 1e-6, sc, w2, 1e-6, wq, ws, torch.bfloat16, config)
+        assert (s.float() - want_s.float()).abs().max() <= want_s.float().abs().max() * 2 ** -7
+        want = fp8_linear_triton(q, qs, wq, ws, torch.bfloat16, config=config and dict(config, BLOCK_M=1))
+        assert (y.float() - want.float()).norm() <= 2e-2 * want.float().norm()
+    s, y = torch.ops.gemma4opt.norm_fp8_linear(x, r, w1, 1e-6, sc, w2, 1e-6, wq, ws, torch.bfloat16)
+    assert (1, n, k, True, torch.bfloat16, 0) in fp8_op.picks()
+    want = fp8_linear_triton(q, qs, wq, ws, torch.bfloat16)
+    assert (y.float() - want.float()).norm() <= 2e-2 * want.float().norm()

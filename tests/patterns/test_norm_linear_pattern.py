@@ -82,3 +82,14 @@ def test_op_off_cuda_is_the_two_ops():
     want = torch.ops.gemma4opt.norm_add(x, w1, 1e-6, r, None, 1e-6, False)
     assert torch.equal(s, want) and torch.equal(y, torch.nn.functional.linear(want, w))
     assert all(torch.equal(a, b) for a, b in zip((s, y), norm_linear_reference(x, r, w1, 1e-6, None, None, 1e-6, w)))
+
+
+def test_fp8_op_off_cuda_is_the_two_ops():
+    from gemma4opt.ops.fp8 import quantize_rows_reference
+
+    x, r = torch.randn(1, 1, 16, dtype=torch.bfloat16), torch.randn(1, 1, 16, dtype=torch.bfloat16)
+    w1, w2 = torch.rand(16, dtype=torch.bfloat16) + 1, torch.rand(16, dtype=torch.bfloat16) + 1
+    wq, ws = quantize_rows_reference(torch.randn(8, 16))
+    s, y = torch.ops.gemma4opt.norm_fp8_linear(x, r, w1, 1e-6, None, w2, 1e-5, wq, ws, torch.bfloat16)
+    want_s, q, qs = torch.ops.gemma4opt.add_rms_norm_quant(x, r, w1, 1e-6, None, w2, 1e-5)
+    assert torch.equal(s, want_s) and torch.equal(y, torch.ops.gemma4opt.fp8_linear(q, qs, wq, ws, torch.bfloat16))
