@@ -25,7 +25,9 @@ def add_rms_norm_row(X, R, W1, SCALE, W2, S, row, sx, sr, ss, cols, mask, D, eps
     r = tl.load(R + row * sr + cols, mask=mask, other=0.0).to(tl.float32)
     w1 = tl.load(W1 + cols, mask=mask, other=0.0).to(tl.float32)
     w2 = tl.load(W2 + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.load(SCALE).to(tl.float32) if HAS_SCALE else 1.0
+    scale = 1.0
+    if HAS_SCALE:
+        scale = tl.load(SCALE).to(tl.float32)
     s = residual_sum(x, r, w1, inv_rms(x, D, eps1), scale, dt, HAS_SCALE)
     tl.store(S + row * ss + cols, s.to(dt), mask=mask)
     return (s * inv_rms(s, D, eps2) * w2).to(dt).to(tl.float32)

@@ -49,15 +49,22 @@ def _input_tile(X, R, W1, W2, k, kmask, inv1, inv2, scale, dt: tl.constexpr, NEX
 @triton.jit
 def _factors(X, R, W1, SCALE, S, cols, cmask, K, eps1, eps2, dt: tl.constexpr, NEXT: tl.constexpr,
              HAS_SCALE: tl.constexpr):
-    """The row's s (stored by the first program), its norm factors inv1 (x's) and inv2 (s's; 1
-    without NEXT), and the scale (1 without HAS_SCALE). Every load first: one round trip."""
+    """The row's s (stored by the first program), its norm factors inv1 (x's) and inv2 (s's, with
+    NEXT), and the scale (with HAS_SCALE). Every load first: one round trip."""
     x = tl.load(X + cols, mask=cmask, other=0.0).to(tl.float32)
     r = tl.load(R + cols, mask=cmask, other=0.0).to(tl.float32)
     w1 = tl.load(W1 + cols, mask=cmask, other=0.0).to(tl.float32)
-    scale = tl.load(SCALE).to(tl.float32) if HAS_SCALE else 1.0
+    if HAS_SCALE:
+        scale = tl.load(SCALE).to(tl.float32)
     inv1 = inv_rms(x, K, eps1)
+    # Without HAS_SCALE / NEXT, scale / inv2 are never read: inv1 stands in, so that every value
+    # returned is a tensor.
+    if not HAS_SCALE:
+        scale = inv1
     s = residual_sum(x, r, w1, inv1, scale, dt, HAS_SCALE)
-    inv2 = inv_rms(s, K, eps2) if NEXT else 1.0
+    inv2 = inv1
+    if NEXT:
+        inv2 = inv_rms(s, K, eps2)
     first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
     tl.store(S + cols, s.to(dt), mask=cmask & first)
     return s, inv1, inv2, scale
