@@ -22,7 +22,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from gemma4opt.kernels import add_rms_norm, norm_fp8_linear, norm_linear, rope_cos_sin, skinny_linear  # noqa: E402
+from gemma4opt.kernels import (add_rms_norm, norm_fp8_linear, norm_linear, paged_decode, rope_cos_sin,  # noqa: E402
+                               skinny_linear)
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -31,7 +32,8 @@ TAIL = dict(X=BF16, R=BF16, W1=BF16, SCALE=BF16, W2=BF16, S=BF16, eps1="fp32", e
 
 
 def _variants():
-    """(name, kernel, pointer / scalar types, constexprs, num_warps) for each variant checked."""
+    """(name, kernel, pointer / scalar types, constexprs, num_warps or compile options) for each variant
+    checked (the decode attention's as kernels/paged_decode.py's launch_config launches it)."""
     nl = dict(TAIL, W=BF16, Y=BF16, P="*fp32", M="i32", N="i32", K="i32", swn="i32", sym="i32")
     for nxt in (True, False):
         for has_scale in (True, False):
@@ -52,6 +54,16 @@ def _variants():
     yield ("rope_cos_sin", rope_cos_sin._rope_cos_sin_kernel,
            dict(POS="*i64", INV="*fp32", COS=BF16, SIN=BF16, scaling="fp32", HALF="i32"),
            dict(BLOCK=128, COMPILED=True, PDL=True), 2)
+    decode = dict(Q=BF16, KV=BF16, KV_SCALE="*fp32", TABLE="*i32", LENS="*i32", O=BF16, OP="*fp32", LSE="*fp32",
+                  **{n: "i32" for n in ("sq_b", "sq_h", "s_page", "s_kv", "s_tok", "s_head", "s_table", "ring", "so_b",
+                                        "so_h", "sp_b", "sp_h", "sp_s", "sl_b", "sl_h", "window")}, scale="fp32")
+    for early in (True, False):
+        for fp8 in (False, True):
+            yield (f"decode attention split early={early} fp8={fp8}", paged_decode._decode_split_kernel,
+                   dict(decode, KV="*fp8e4nv" if fp8 else BF16),
+                   dict(GROUP=4, G_PAD=16, D=256, PS=16, BLOCK_N=32, NSPLIT=64, TOKENS=1, COMPILED=True, IEEE=False,
+                        FP8=fp8, F16=fp8, V_WIDE=True, EARLY=early, PDL=True),
+                   dict(num_warps=4, num_stages=2, **({"maxnreg": 128} if fp8 else {})))
     for bn, bk, split in ((4, 512, 2), (8, 1024, 4)):
         yield (f"skinny one-row split {bn}x{bk}/{split}", skinny_linear._skinny_kernel,
                dict(X=BF16, U=BF16, W=BF16, Y=BF16, P="*fp32", M="i32", N="i32", K="i32", sxm="i32", sum_="i32",
@@ -76,7 +88,8 @@ def main() -> None:
         try:
             src = ASTSource(fn=fn, signature={n: types[n] for n in names if n not in constexprs},
                             constexprs={(names.index(n),): v for n, v in constexprs.items()})
-            compiled = triton.compile(src, target=TARGET, options=dict(num_warps=warps))
+            options = warps if isinstance(warps, dict) else dict(num_warps=warps)
+            compiled = triton.compile(src, target=TARGET, options=options)
             row = dict(name=name, ok=True, **_ptxas(compiled.asm["ptx"]))
         except Exception as e:  # noqa: BLE001 - reported, the test fails on it
             row = dict(name=name, ok=False, error=f"{type(e).__name__}: {str(e)[:500]}")
