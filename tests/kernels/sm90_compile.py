@@ -22,8 +22,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from gemma4opt.kernels import (add_rms_norm, norm_fp8_linear, norm_linear, paged_decode, rope_cos_sin,  # noqa: E402
-                               skinny_linear)
+from benchmarks.sass_decode_attention import compile_split_kernel  # noqa: E402
+from gemma4opt.kernels import add_rms_norm, norm_fp8_linear, norm_linear, rope_cos_sin, skinny_linear  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -32,11 +32,10 @@ TAIL = dict(X=BF16, R=BF16, W1=BF16, SCALE=BF16, W2=BF16, S=BF16, eps1="fp32", e
 
 
 def _variants():
-    """(name, kernel, pointer / scalar types, constexprs, num_warps or compile options) for each variant
-    checked (the decode attention's as kernels/paged_decode.py's launch_config launches it)."""
+    """(name, kernel, pointer / scalar types, constexprs, num_warps) for each variant checked. Integer
+    arguments are the e4b's (N, K and row strides multiples of 16), specialized as Triton does at run time."""
     nl = dict(TAIL, W=BF16, Y=BF16, P="*fp32", M="i32", N="i32", K="i32", swn="i32", sym="i32")
-    for nxt in (True, False):
-        for has_scale in (True, False):
+    for nxt, has_scale in ((True, True), (True, False), (False, False)):     # as the pattern makes them
             for bn, bk, split, warps in ((4, 512, 1, 4), (1, 4096, 1, 8), (4, 512, 2, 4)):
                 yield (f"norm_linear next={nxt} scale={has_scale} tile={bn}x{bk}/{split} w{warps}",
                        norm_linear._norm_linear_kernel, nl,
@@ -54,16 +53,6 @@ def _variants():
     yield ("rope_cos_sin", rope_cos_sin._rope_cos_sin_kernel,
            dict(POS="*i64", INV="*fp32", COS=BF16, SIN=BF16, scaling="fp32", HALF="i32"),
            dict(BLOCK=128, COMPILED=True, PDL=True), 2)
-    decode = dict(Q=BF16, KV=BF16, KV_SCALE="*fp32", TABLE="*i32", LENS="*i32", O=BF16, OP="*fp32", LSE="*fp32",
-                  **{n: "i32" for n in ("sq_b", "sq_h", "s_page", "s_kv", "s_tok", "s_head", "s_table", "ring", "so_b",
-                                        "so_h", "sp_b", "sp_h", "sp_s", "sl_b", "sl_h", "window")}, scale="fp32")
-    for early in (True, False):
-        for fp8 in (False, True):
-            yield (f"decode attention split early={early} fp8={fp8}", paged_decode._decode_split_kernel,
-                   dict(decode, KV="*fp8e4nv" if fp8 else BF16),
-                   dict(GROUP=4, G_PAD=16, D=256, PS=16, BLOCK_N=32, NSPLIT=64, TOKENS=1, COMPILED=True, IEEE=False,
-                        FP8=fp8, F16=fp8, V_WIDE=True, EARLY=early, PDL=True),
-                   dict(num_warps=4, num_stages=2, **({"maxnreg": 128} if fp8 else {})))
     for bn, bk, split in ((4, 512, 2), (8, 1024, 4)):
         yield (f"skinny one-row split {bn}x{bk}/{split}", skinny_linear._skinny_kernel,
                dict(X=BF16, U=BF16, W=BF16, Y=BF16, P="*fp32", M="i32", N="i32", K="i32", sxm="i32", sum_="i32",
@@ -82,15 +71,33 @@ def _ptxas(ptx: str) -> dict:
     return dict(regs=int(regs[0]) if regs else None, spill_bytes=int(spills[0]) if spills else None)
 
 
-def main() -> None:
+def _compile(fn, types: dict, constexprs: dict, warps: int):
+    names = fn.arg_names
+    # Pointers (torch allocations) and the integers that are multiples of 16 at the e4b's shapes:
+    # Triton specializes both at run time, and without it the code (and its registers) differ.
+    divisible = [n for n in names if n not in constexprs and (types[n].startswith("*") or n in _DIVISIBLE_INTS)]
+    src = ASTSource(fn=fn, signature={n: types[n] for n in names if n not in constexprs},
+                    constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+    return triton.compile(src, target=TARGET, options=dict(num_warps=warps))
+
+
+_DIVISIBLE_INTS = ("N", "K", "swn", "sym", "sx", "sr", "ss", "sn", "D", "sxm", "sum_")
+
+
+def _rows():
     for name, fn, types, constexprs, warps in _variants():
-        names = fn.arg_names
+        yield name, lambda: _compile(fn, types, constexprs, warps)
+    for early in (False, True):          # the e4b's geometry (head_dim 256, 4 query heads a KV head), as launched
+        for fp8 in (False, True):
+            yield (f"decode attention split early={early} fp8={fp8}",
+                   lambda: compile_split_kernel(256, 4, fp8, {"early": early}, rows=1)[0])
+
+
+def main() -> None:
+    for name, build in _rows():
         try:
-            src = ASTSource(fn=fn, signature={n: types[n] for n in names if n not in constexprs},
-                            constexprs={(names.index(n),): v for n, v in constexprs.items()})
-            options = warps if isinstance(warps, dict) else dict(num_warps=warps)
-            compiled = triton.compile(src, target=TARGET, options=options)
-            row = dict(name=name, ok=True, **_ptxas(compiled.asm["ptx"]))
+            row = dict(name=name, ok=True, **_ptxas(build().asm["ptx"]))
         except Exception as e:  # noqa: BLE001 - reported, the test fails on it
             row = dict(name=name, ok=False, error=f"{type(e).__name__}: {str(e)[:500]}")
         print(json.dumps(row), flush=True)
