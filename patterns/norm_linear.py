@@ -56,9 +56,10 @@ class NormLinearPattern(Pattern):
         return res
 
 
-# The GEMMs a tail is fused into, by module name: a layer's (merged) q/k/v, named for q_proj, and
-# its per-layer-input gate. Not the MLP's gate/up: gate_up_gelu takes it (its fused ops read the tail).
-_GEMMS = ("q_proj", "per_layer_input_gate")
+# The GEMMs a tail is fused into, by module name: a layer's q/k/v (merged: named for whichever of the
+# three Dynamo recorded first) and its per-layer-input gate. Not the MLP's gate/up: gate_up_gelu takes
+# it (its fused ops read the tail).
+_GEMMS = ("q_proj", "k_proj", "v_proj", "per_layer_input_gate")
 
 
 def _site(gemm: fx.Node) -> bool:
