@@ -50,9 +50,15 @@ class NormLinearPattern(Pattern):
         for node in list(graph.nodes):
             kind = op_name(node)
             if kind in ("add_rms_norm.default", "add_rms_norm_quant.default"):
-                res.matched += _fuse_tail(graph, node, kind == "add_rms_norm_quant.default")
+                got = _fuse_tail(graph, node, kind == "add_rms_norm_quant.default")
             elif kind == "norm_add.default" and node.args[6] is False and node.args[4] is None:
-                res.matched += _fuse_sum(graph, node)
+                got = _fuse_sum(graph, node)
+            else:
+                continue
+            if isinstance(got, str):
+                res.unfused.append(f"{node.name}: {got}")
+            else:
+                res.matched += got
         return res
 
 
@@ -87,12 +93,23 @@ def _row_slice(node: fx.Node, dims: int = 3):
     return idx if dims == 2 or idx[-1] == slice(None, None, None) else None
 
 
-def _fuse_tail(graph: fx.Graph, tail: fx.Node, fp8: bool) -> int:
-    """add_rms_norm (fp8: add_rms_norm_quant) and the GEMM reading its normed (quantized) output."""
+def _feeds_site(values: list[fx.Node]) -> bool:
+    """Whether a GEMM of ``_GEMMS`` reads one of ``values``, directly or through one node."""
+    near = {u for v in values if v is not None for u in v.users}
+    near |= {w for u in near for w in u.users}
+    return any(op_name(n) in ("linear.default", "fp8_linear.default") and _site(n) for n in near)
+
+
+_WHY = "a q/k/v or per-layer-input gate GEMM reads it, but not as its only input reader (or through another slice)"
+
+
+def _fuse_tail(graph: fx.Graph, tail: fx.Node, fp8: bool) -> int | str:
+    """add_rms_norm (fp8: add_rms_norm_quant) and the GEMM reading its normed (quantized) output:
+    1 when fused, 0 where no such GEMM reads it, else why not."""
     gets = {u.args[1]: u for u in tail.users if op_name(u) == "getitem"}
     s, outs = gets.get(0), [gets.get(1), gets.get(2)] if fp8 else [gets.get(1)]
     if any(v is None or len(v.users) != 1 for v in outs) or tail.kwargs:
-        return 0
+        return _WHY if _feeds_site(outs) else 0
     target = "fp8_linear.default" if fp8 else "linear.default"
     firsts = [next(iter(v.users)) for v in outs]
     idx = _row_slice(firsts[0])
@@ -104,7 +121,7 @@ def _fuse_tail(graph: fx.Graph, tail: fx.Node, fp8: bool) -> int:
         gemm_inputs = firsts
     gemm = _gemm_of(gemm_inputs, target)
     if gemm is None:
-        return 0
+        return _WHY if _feeds_site(outs) else 0
     args = tail.args
     new, sums = [], [s] if s is not None else []
     if gemm_inputs is not outs:
@@ -121,11 +138,14 @@ def _fuse_tail(graph: fx.Graph, tail: fx.Node, fp8: bool) -> int:
     return 1
 
 
-def _fuse_sum(graph: fx.Graph, tail: fx.Node) -> int:
-    """norm_add (no next norm) and the GEMM reading its sum (which later nodes read too)."""
-    lins = [u for u in tail.users if op_name(u) == "linear.default" and u.args[0] is tail]
-    if len(lins) != 1 or not _site(lins[0]) or tail.kwargs:
-        return 0
+def _fuse_sum(graph: fx.Graph, tail: fx.Node) -> int | str:
+    """norm_add (no next norm) and the GEMM reading its sum (which later nodes read too): 1 when
+    fused, 0 where no such GEMM reads it, else why not."""
+    lins = [u for u in tail.users if op_name(u) == "linear.default" and u.args[0] is tail and _site(u)]
+    if not lins:
+        return _WHY if _feeds_site([tail]) else 0
+    if len(lins) != 1 or tail.kwargs:
+        return f"{len(lins)} GEMMs read its sum (one expected)"
     x, w, eps, residual, _, y_eps, _ = tail.args
     new = _replace(graph, tail, torch.ops.gemma4opt.norm_linear.default,
                    (x, residual, w, eps, None, None, y_eps, lins[0].args[1]), [tail], lins[0])

@@ -93,3 +93,9 @@ def test_fp8_op_off_cuda_is_the_two_ops():
     s, y = torch.ops.gemma4opt.norm_fp8_linear(x, r, w1, 1e-6, None, w2, 1e-5, wq, ws, torch.bfloat16)
     want_s, q, qs = torch.ops.gemma4opt.add_rms_norm_quant(x, r, w1, 1e-6, None, w2, 1e-5)
     assert torch.equal(s, want_s) and torch.equal(y, torch.ops.gemma4opt.fp8_linear(q, qs, wq, ws, torch.bfloat16))
+
+
+def test_a_refused_tail_says_why():
+    c = Compiled(Tail(leak=True), ["norm_linear"])
+    c(torch.randn(1, 3, 16), torch.randn(1, 3, 16))
+    assert len(c.unfused("norm_linear")) == 1 and "q/k/v" in c.unfused("norm_linear")[0]
