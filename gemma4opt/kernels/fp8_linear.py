@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from gemma4opt.kernels._util import COMPILED as _COMPILED, pdl_flags, pdl_prologue, rows_view
-from gemma4opt.kernels.skinny_linear import _out, bench_short, row_dot_tile
+from gemma4opt.kernels.skinny_linear import _out, bench_short, k_range, row_dot_tile
 
 MAX_ROWS = 32
 # The interpreter (CPU tests) runs one config, a while loop for K, and fp32 dot tiles (as in
@@ -65,13 +65,7 @@ def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS,
     m = tl.arange(0, BLOCK_M)
     mmask = m < M
     sk = tl.program_id(1)
-    if SPLIT_K == 1:
-        lo = 0
-        hi = K
-    else:                   # split sk: [lo, hi) in whole BLOCK_K tiles, so only the last tile masks
-        chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-        lo = sk * chunk
-        hi = tl.minimum(lo + chunk, K)
+    lo, hi = k_range(K, SPLIT_K, BLOCK_K)
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N], tl.float32)
     elif SWAP:

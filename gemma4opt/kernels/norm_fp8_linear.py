@@ -21,7 +21,7 @@ import triton.language as tl
 from gemma4opt.kernels._util import COMPILED as _COMPILED, dense, pdl_flags, pdl_prologue, rows_view
 from gemma4opt.kernels.fp8_linear import _ROW_SUM
 from gemma4opt.kernels.fp8_quant import fp8_quantize, fp8_row_scale
-from gemma4opt.kernels.norm_linear import MAX_K, _factors, _input_tile
+from gemma4opt.kernels.norm_linear import _factors, _input_tile, one_short_row
 from gemma4opt.kernels.skinny_linear import bench_short
 
 
@@ -71,11 +71,9 @@ _tuned = triton.autotune(configs=[triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), nu
 
 def supported(x: torch.Tensor, w_fp8: torch.Tensor, out_dtype: torch.dtype) -> str | None:
     """Why this kernel cannot take x (the tail's input), the fp8 weight and the output dtype, or None."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    if rows != 1:
-        return f"{rows} rows (one only)"
-    if x.shape[-1] > MAX_K:
-        return f"K = {x.shape[-1]} (at most {MAX_K})"
+    why = one_short_row(x)
+    if why:
+        return why
     if w_fp8.dtype != torch.float8_e4m3fn or w_fp8.shape[1] != x.shape[-1] or w_fp8.stride(1) != 1:
         return (f"weight {w_fp8.dtype} {tuple(w_fp8.shape)} (stride {w_fp8.stride()}) is not e4m3 [N, "
                 f"{x.shape[-1]}] with unit stride along K")

@@ -26,8 +26,8 @@ import triton.language as tl
 from gemma4opt.kernels._util import COMPILED as _COMPILED, dense, pdl_flags, pdl_prologue, rows_view
 from gemma4opt.kernels.add_rms_norm import residual_sum
 from gemma4opt.kernels.rms_norm import inv_rms
-from gemma4opt.kernels.skinny_linear import (_ROW_SPLIT, _ROW_SUM, _WHOLE, _out, _sum_splits, bench_short, launch_tiles,
-                                             max_split, row_splits, tile_configs)
+from gemma4opt.kernels.skinny_linear import (_ROW_SPLIT, _ROW_SUM, _WHOLE, _out, _sum_splits, bench_short, k_range,
+                                             launch_tiles, max_split, row_splits, tile_configs)
 
 MAX_K = 4096
 
@@ -97,14 +97,7 @@ def _norm_linear_kernel(X, R, W1, SCALE, W2, S, W, Y, P, M, N, K, swn, sym, eps1
         acc = tl.sum(w.to(tl.float32) * a[None, :], 1)
     else:
         s, inv1, inv2, scale = _factors(X, R, W1, SCALE, S, cols, cmask, K, eps1, eps2, dt, NEXT, HAS_SCALE)
-        sk = tl.program_id(1)
-        if SPLIT_K == 1:
-            lo = 0
-            hi = K
-        else:               # split sk: [lo, hi) in whole BLOCK_K tiles (kernels/skinny_linear.py)
-            chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-            lo = sk * chunk
-            hi = tl.minimum(lo + chunk, K)
+        lo, hi = k_range(K, SPLIT_K, BLOCK_K)
         acc = tl.zeros([BLOCK_N], tl.float32)
         if COMPILED:
             for k0 in range(lo, hi, BLOCK_K):
@@ -139,13 +132,21 @@ _tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "NEXT"], do_bench=benc
                          prune_configs_by={"early_config_prune": _keep})(_norm_linear_kernel)
 
 
-def supported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
-    """Why this kernel cannot take x (the tail's input) and weight, or None."""
+def one_short_row(x: torch.Tensor) -> str | None:
+    """Why x (the tail's input) is not one row of at most MAX_K, or None: what both tail GEMMs take."""
     rows = x.numel() // max(x.shape[-1], 1)
     if rows != 1:
         return f"{rows} rows (one only)"
     if x.shape[-1] > MAX_K:
         return f"K = {x.shape[-1]} (at most {MAX_K})"
+    return None
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why this kernel cannot take x (the tail's input) and weight, or None."""
+    why = one_short_row(x)
+    if why:
+        return why
     if weight.shape[1] != x.shape[-1] or weight.stride(1) != 1:
         return f"weight {tuple(weight.shape)} (stride {weight.stride()}) is not [N, {x.shape[-1]}] with unit stride along K"
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:

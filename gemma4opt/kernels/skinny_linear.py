@@ -49,6 +49,20 @@ def row_dot_tile(acc, A, w_rows, k0, K, nmask, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def k_range(K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[lo, hi) of K that split program_id(1) sums: all of K unsplit (compiled as before split K
+    existed, measured on the H200), else whole BLOCK_K tiles, so that only the last tile masks."""
+    if SPLIT_K == 1:
+        lo = 0
+        hi = K
+    else:
+        chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        lo = tl.program_id(1) * chunk
+        hi = tl.minimum(lo + chunk, K)
+    return lo, hi
+
+
+@triton.jit
 def _x_tile(X, U, x_off, u_off, mask, GELU: tl.constexpr):
     """The GEMM's input tile; with GELU, gelu_tanh(x) * u made here, rounded exactly as
     kernels/gelu_tanh_mul.py's kernel rounds it (ops/gelu_linear.py: that kernel's launch saved)."""
@@ -117,13 +131,7 @@ def _skinny_kernel(X, U, W, Y, P, M, N, K, sxm, sum_, swn, sym,
     m = tl.arange(0, BLOCK_M)
     mmask = m < M
     sk = tl.program_id(1)
-    if SPLIT_K == 1:        # the whole of K, compiled as before split K existed (measured on the H200)
-        lo = 0
-        hi = K
-    else:                   # split sk: [lo, hi) in whole BLOCK_K tiles, so only the last tile masks
-        chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-        lo = sk * chunk
-        hi = tl.minimum(lo + chunk, K)
+    lo, hi = k_range(K, SPLIT_K, BLOCK_K)
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N], tl.float32)
     elif SWAP:

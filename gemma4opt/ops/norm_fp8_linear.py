@@ -39,7 +39,7 @@ def _(x, residual, weight, eps, scale, next_weight, next_eps, w_fp8, w_scale, ou
     return x.new_empty(shape), x.new_empty((*shape[:-1], w_fp8.shape[0]), dtype=out_dtype)
 
 
-def _time_both_fp8(args, w_fp8, w_scale, out_dtype) -> tuple[float, float]:
+def _time_both(args, w_fp8, w_scale, out_dtype) -> tuple[float, float]:
     from gemma4opt.kernels.norm_fp8_linear import norm_fp8_linear_triton
 
     check_close(norm_fp8_linear_triton(*args, w_fp8, w_scale, out_dtype)[0],
@@ -57,6 +57,6 @@ def _(x, residual, weight, eps, scale, next_weight, next_eps, w_fp8, w_scale, ou
     args = (x, residual, weight, eps, scale, next_weight, next_eps)
     key = (1, w_fp8.shape[0], w_fp8.shape[1], scale is not None, x.dtype, x.device.index)
     if (residual.shape == x.shape and residual.dtype == x.dtype and supported(x, w_fp8, out_dtype) is None
-            and picks_for("norm_fp8_linear").pick(key, lambda: _time_both_fp8(args, w_fp8, w_scale, out_dtype))):
+            and picks_for("norm_fp8_linear").pick(key, lambda: _time_both(args, w_fp8, w_scale, out_dtype))):
         return norm_fp8_linear_triton(*args, w_fp8, w_scale, out_dtype)
     return norm_fp8_linear_reference(*args, w_fp8, w_scale, out_dtype)
