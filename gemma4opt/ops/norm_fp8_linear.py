@@ -5,7 +5,7 @@ layer's end, its norm quantized per row, and the next layer's fp8 q/k/v, one op,
     y = gemma4opt.fp8_linear(q, x_scale, W_fp8, w_scale, out_dtype)
     return s, y
 
-On CUDA at one row, K <= 4096, each shape runs whichever was faster when both were timed as a decode
+On CUDA at one row, K <= kernels/norm_linear.py's MAX_K, each shape runs whichever was faster when both were timed as a decode
 step runs them, on its first call, and only if both outputs matched: the fp8 skinny GEMM making and
 quantizing the tail as it reads its input (kernels/norm_fp8_linear.py, one launch) or the two ops
 above. More rows and CPU: the two ops.

@@ -14,8 +14,8 @@ from gemma4opt.ops import norm_linear as op
 pytestmark = pytest.mark.gpu
 
 # (N, K): the e4b's merged q/k/v (sliding) and q only (KV-shared), its per-layer-input gate, the
-# 26b-a4b's q/k/v, the e2b's q/k/v; an odd one.
-SHAPES = [(3072, 2560), (2048, 2560), (256, 2560), (8192, 2816), (2560, 1536), (1000, 4000)]
+# 26b-a4b's q/k/v, the e2b's q/k/v, the 31b's q/k/v (sliding); an odd one.
+SHAPES = [(3072, 2560), (2048, 2560), (256, 2560), (8192, 2816), (2560, 1536), (16384, 5376), (1000, 4000)]
 
 
 def _inputs(n, k, seed, scale=True, nxt=True):
@@ -70,7 +70,7 @@ def test_op_picks_then_replays_in_a_graph():
     torch.testing.assert_close(gy.float(), want_y.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("n,k", [(3072, 2560), (2048, 2560), (8192, 2816)])
+@pytest.mark.parametrize("n,k", [(3072, 2560), (2048, 2560), (8192, 2816), (16384, 5376)])
 def test_fp8_layer_tail_matches_the_quant_kernel_then_the_fp8_gemm(n, k):
     """With fp8 weights: y against add_rms_norm_quant's bytes through the fp8 GEMM's row sums, the
     autotuned tile and one fixed tile; then the op's pick."""

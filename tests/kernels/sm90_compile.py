@@ -41,11 +41,19 @@ def _variants():
                        norm_linear._norm_linear_kernel, nl,
                        dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SWAP=False, BLOCK_D=4096, NEXT=nxt,
                             HAS_SCALE=has_scale, COMPILED=True, PDL=True, CAP=0.0), warps)
+    # The 31b's row (5376 in a block of 8192), on the tiles whose registers it raises most.
+    for bn, bk, warps in ((16, 512, 4), (1, 8192, 4), (2, 8192, 8)):
+        yield (f"norm_linear 31b row tile={bn}x{bk} w{warps}", norm_linear._norm_linear_kernel, nl,
+               dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, SWAP=False, BLOCK_D=8192, NEXT=True,
+                    HAS_SCALE=True, COMPILED=True, PDL=True, CAP=0.0), warps)
     nf = dict(TAIL, W="*fp8e4nv", WS="*fp32", Y=BF16, N="i32", K="i32", swn="i32")
     for has_scale in (True, False):
         for bn, bk, warps in ((8, 2048, 4), (4, 2048, 8)):
             yield (f"norm_fp8_linear scale={has_scale} tile={bn}x{bk} w{warps}", norm_fp8_linear._norm_fp8_linear_kernel,
                    nf, dict(BLOCK_N=bn, BLOCK_K=bk, BLOCK_D=4096, HAS_SCALE=has_scale, COMPILED=True, PDL=True), warps)
+    for bn, bk, warps in ((8, 2048, 4), (8, 2048, 8)):
+        yield (f"norm_fp8_linear 31b row tile={bn}x{bk} w{warps}", norm_fp8_linear._norm_fp8_linear_kernel, nf,
+               dict(BLOCK_N=bn, BLOCK_K=bk, BLOCK_D=8192, HAS_SCALE=True, COMPILED=True, PDL=True), warps)
     for has_scale in (True, False):
         yield (f"add_rms_norm scale={has_scale}", add_rms_norm._add_rms_norm_kernel,
                dict(X=BF16, R=BF16, W1=BF16, SCALE=BF16, W2=BF16, S=BF16, N=BF16, sx="i32", sr="i32", ss="i32",

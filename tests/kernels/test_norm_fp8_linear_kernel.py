@@ -41,6 +41,16 @@ def test_is_the_tail_quant_kernel_then_the_fp8_gemm_bit_for_bit(dtype, with_scal
     assert (y.float() - want.float()).norm() <= 3e-2 * want.float().norm()
 
 
+def test_a_row_past_4096_the_31bs_5376():
+    """The 31b's hidden size, past the 4096 its first tiles held: the two kernels' bits."""
+    x, r, w1, scale, w2, wq, ws = _inputs(5, 5376, torch.bfloat16, 19, True)
+    config = dict(BLOCK_N=4, BLOCK_K=512)
+    s, y = norm_fp8_linear_triton(x, r, w1, 1e-6, scale, w2, 1e-5, wq, ws, torch.bfloat16, config)
+    want_s, q, qs = add_rms_norm_quant_triton(x, r, w1, 1e-6, scale, w2, 1e-5)
+    assert torch.equal(s, want_s)
+    assert torch.equal(y, fp8_linear_triton(q, qs, wq, ws, torch.bfloat16, config=config))
+
+
 def test_the_next_norm_and_its_quantization_reach_y():
     x, r, w1, scale, w2, wq, ws = _inputs(16, 48, torch.bfloat16, 3, True)
     base = norm_fp8_linear_triton(x, r, w1, 1e-6, scale, w2, 1e-6, wq, ws, torch.bfloat16)[1]

@@ -66,6 +66,22 @@ def test_mlp_tail_then_gemm_is_the_two_kernels_bits(dtype, cfg, n, k):
     close(s, norm_add_reference(x, w1, 1e-6, r, None, 1e-6, False), dtype)
 
 
+@pytest.mark.parametrize("next_norm", [True, False])
+@pytest.mark.parametrize("config", [dict(BLOCK_N=4, BLOCK_K=512), dict(BLOCK_N=1, BLOCK_K=8192, num_stages=1)])
+def test_a_row_past_4096_the_31bs_5376(next_norm, config):
+    """The 31b's hidden size, past the 4096 its first tiles held: both tails, a K loop and the tile
+    holding the whole row, the two kernels' bits."""
+    k, n = 5376, 5
+    x, r, w1, scale, w2, w = _inputs(k, n, torch.bfloat16, 17, next_norm, next_norm)
+    s, y = norm_linear_triton(x, r, w1, 1e-6, scale, w2, 1e-6, w, config)
+    if next_norm:
+        want_s, want_n = add_rms_norm_triton(x, r, w1, 1e-6, scale, w2, 1e-6)
+    else:
+        want_s = want_n = norm_add_triton(x, w1, 1e-6, r, None, 1e-6, False)
+    assert torch.equal(s, want_s)
+    assert torch.equal(y, skinny_linear_triton(want_n, w, config))
+
+
 def test_the_input_matters_at_every_step():
     """Each part of the tail reaches the outputs: the residual, the first norm's weight, the scale
     (into s: the next norm takes it out of y), the next norm's weight."""
