@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gemma4opt  # noqa: E402
+from gemma4opt.kernels import moe_experts  # noqa: E402
 from gemma4opt.kernels._util import PDL_DEFAULT, set_decode_row_warps, set_pdl  # noqa: E402
 from gemma4opt.kernels.paged_decode import set_early_reads  # noqa: E402
 from gemma4opt.kernels.skinny_linear import use_tiles  # noqa: E402
@@ -177,6 +178,12 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      "gemma4opt-no-row-split": dict(row_split=False),
                      # ... and at 2-32 rows without its narrow tiles (16-32 W rows, K split up to 16 ways).
                      "gemma4opt-no-narrow": dict(narrow=False),
+                     # The one-row GEMMs (bf16, fp8, with the residual tail) without their pipelined row sums.
+                     "gemma4opt-no-pipe": dict(pipelined=False),
+                     "gemma4opt-fp8-head-no-pipe": dict(quantization="fp8", quantize_lm_head=True, pipelined=False),
+                     # The MoE decode kernels' (and the dense gate/up GEMV's) K loops pipelined 3 stages deep.
+                     "gemma4opt-moe-pipe": dict(moe_pipe=3),
+                     "gemma4opt-fp8-head-moe-pipe": dict(quantization="fp8", quantize_lm_head=True, moe_pipe=3),
                      # Every gemma4opt kernel launched plainly: programmatic dependent launch's share.
                      "gemma4opt-paged-nopdl": dict(attention="paged", pdl=False),
                      # FP8 (e4m3) weights of the attention and dense-MLP projections; "-kv8": and the KV pool.
@@ -239,9 +246,12 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         opts = dict(GEMMA4OPT_SYSTEMS[system])
         set_pdl(opts.pop("pdl", PDL_DEFAULT))      # read at each launch: off for this system's whole run
         use_tiles(opts.pop("whole_k", True), opts.pop("narrow", True),      # read when a GEMM shape is first tuned
-                  opts.pop("row_split", True))
+                  opts.pop("row_split", True), opts.pop("pipelined", True))
         set_decode_row_warps(opts.pop("row_warps", None))   # read at each launch, captured with the graphs
         set_early_reads(opts.pop("early_kv", False))        # the same
+        moe_pipe = opts.pop("moe_pipe", 0)                  # read at each launch, captured with the graphs
+        for tiles in (moe_experts.TILES, moe_experts.TILES_FP8):
+            tiles.update(gu_pipe=moe_pipe, dn_pipe=moe_pipe)
         margins = dict(MARGINS)
         MARGINS.update(opts.pop("margins", {}))     # read when optimize() makes the model's op state
         if opts.get("attention") == "paged":     # tuned: a pool for exactly this run's batches and lengths

@@ -264,6 +264,18 @@ def _sweeps():
                          for w in (4, 8)]
                         + [dict(dn_n=n, dn_warps=w) for n in (1, 2, 4, 8) for w in (2, 4, 8)]
                         + [dict(grouped=True)]),
+            # The decode kernels' K loops pipelined (gu_pipe / dn_pipe stages) against the plain loops, on
+            # the default tiles and their neighbours.
+            "moe_pipe": (lambda n: n == "moe_experts (decode)",
+                         [dict(gu_pipe=p, dn_pipe=p) for p in (2, 3, 4)]
+                         + [dict(gu_pipe=3, gu_n=n, gu_k=kk, gu_warps=w) for n in (4, 8, 16) for kk in (256, 512)
+                            for w in (4, 8)]
+                         + [dict(dn_pipe=3, dn_n=n, dn_warps=w) for n in (2, 4, 8) for w in (2, 4)]),
+            "moe_fp8_pipe": (lambda n: n == "moe_experts fp8 (decode)",
+                             [dict(gu_pipe=p, dn_pipe=p) for p in (2, 3, 4)]
+                             + [dict(gu_pipe=3, gu_n=n, gu_k=kk, gu_warps=w) for n in (4, 8, 16) for kk in (512, 1024)
+                                for w in (4, 8)]
+                             + [dict(dn_pipe=3, dn_n=n, dn_warps=w) for n in (2, 4, 8) for w in (2, 4)]),
             # Row kernels at decode: every one's warps a program, through _util.set_decode_row_warps.
             "rows": (lambda n: n in ("rms_norm", "add_rms_norm", "rms_norm_quant", "add_rms_norm_quant"),
                      [dict(warps=w) for w in (1, 2, 4, 8, 16, 32)]),

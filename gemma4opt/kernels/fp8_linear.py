@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from gemma4opt.kernels._util import COMPILED as _COMPILED, pdl_flags, pdl_prologue, rows_view
-from gemma4opt.kernels.skinny_linear import _out, bench_short, k_range, row_dot_tile
+from gemma4opt.kernels.skinny_linear import TUNERS, _offered, _out, bench_short, k_range, row_dot_tile
 
 MAX_ROWS = 32
 # The interpreter (CPU tests) runs one config, a while loop for K, and fp32 dot tiles (as in
@@ -56,8 +56,9 @@ def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm,
 def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr = False,
-                       PDL: tl.constexpr = False, CAP: tl.constexpr = 0.0):
+                       PDL: tl.constexpr = False, CAP: tl.constexpr = 0.0, PIPE: tl.constexpr = 0):
     # ROWS (the row class: 1, 16 or 32) is not read: it keys the autotuner's choice per class.
+    # PIPE: the row sums' K loop pipelined in PIPE stages (kernels/skinny_linear.py's _ROW_PIPE).
     pdl_prologue(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
@@ -72,7 +73,10 @@ def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS,
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if COMPILED:
+    if COMPILED and PIPE > 0:
+        for k0 in tl.range(lo, hi, BLOCK_K, num_stages=PIPE):
+            acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, SWAP)
+    elif COMPILED:
         for k0 in range(lo, hi, BLOCK_K):
             acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, SWAP)
     else:           # the interpreter takes no runtime range() bound
@@ -122,6 +126,8 @@ def _split_sum_kernel(P, XS, WS, Y, M, N, sym, SPLIT_K: tl.constexpr, BLOCK: tl.
 # e4m3 as it is), the row sums won the lm_head and the e4b's narrow GEMMs: both stay candidates.
 _ROW_SUM = [(8, 2048, 4, 1, 3), (16, 512, 4, 1, 3), (8, 512, 4, 1, 3), (4, 1024, 4, 1, 3), (4, 2048, 8, 1, 3),
             (4, 2048, 4, 1, 3), (8, 2048, 8, 1, 3)]
+# The row sums with their K loop pipelined, `stages` deep (PIPE; why: kernels/skinny_linear.py's _ROW_PIPE).
+ROW_SUM_PIPE = [(8, 512, 4, 1, 3), (16, 512, 4, 1, 3), (4, 1024, 4, 1, 3), (8, 1024, 4, 1, 3), (8, 2048, 4, 1, 3)]
 _DOT = [(64, 256, 4, 1, 3), (64, 256, 4, 1, 4), (128, 256, 8, 1, 4), (128, 128, 8, 1, 4), (64, 128, 4, 1, 4),
         (64, 128, 4, 2, 3), (64, 256, 4, 2, 4), (64, 128, 4, 4, 4), (64, 256, 4, 4, 3), (64, 256, 4, 4, 4)]
 MAX_SPLIT = 4
@@ -132,6 +138,8 @@ def _configs():
     rows, 32 for 17-32, each row class's set picked by the prune below from the ROWS key."""
     out = [triton.Config(dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, SWAP=False), num_warps=w, num_stages=st)
            for bn, bk, w, _, st in _ROW_SUM]
+    out += [triton.Config(dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, SWAP=False, PIPE=st), num_warps=w,
+                          num_stages=st) for bn, bk, w, _, st in ROW_SUM_PIPE]
     out += [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, SWAP=True), num_warps=w, num_stages=st)
             for bm in (16, 32) for bn, bk, w, sk, st in _DOT]
     return out
@@ -140,7 +148,13 @@ def _configs():
 def _keep(configs, named_args, **kwargs):
     rows = named_args["ROWS"]
     want = (1, 16) if rows == 1 else (16,) if rows <= 16 else (32,)
-    return [c for c in configs if c.kwargs["BLOCK_M"] in want]
+    return [c for c in configs if c.kwargs["BLOCK_M"] in want and pipe_offered(c, named_args["K"])]
+
+
+def pipe_offered(c, K: int) -> bool:
+    """Whether config c is offered at K: a pipelined one (PIPE) only while use_tiles offers them and
+    over more than one K tile."""
+    return not c.kwargs.get("PIPE") or (_offered["pipelined"] and c.kwargs["BLOCK_K"] < K)
 
 
 def _sum_splits(nargs, exception=None):
@@ -155,6 +169,7 @@ def _sum_splits(nargs, exception=None):
 
 _tuned = triton.autotune(configs=_configs(), key=["N", "K", "ROWS"], do_bench=bench_short, post_hook=_sum_splits,
                          prune_configs_by={"early_config_prune": _keep})(_fp8_linear_kernel)
+TUNERS.append(_tuned)
 
 
 def fp8_linear_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,

@@ -25,13 +25,13 @@ MAX_ROWS = 1        # each row streams all of W again: more rows are the GEMM's 
 
 @triton.jit
 def _gate_up_gelu_kernel(X, W, OUT, H, I, sxt, swn, sot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         COMPILED: tl.constexpr, PDL: tl.constexpr):
+                         COMPILED: tl.constexpr, PDL: tl.constexpr, PIPE: tl.constexpr = 0):
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
     g_rows = W + n.to(tl.int64)[:, None] * swn
-    g, u = gate_up_sums(X + t * sxt, g_rows, g_rows + I * swn, H, nmask, BLOCK_N, BLOCK_K, COMPILED)
+    g, u = gate_up_sums(X + t * sxt, g_rows, g_rows + I * swn, H, nmask, BLOCK_N, BLOCK_K, COMPILED, PIPE)
     tl.store(OUT + t * sot + n, gelu_mul_rounded(g, u, OUT.dtype.element_ty), mask=nmask)
 
 
@@ -51,6 +51,7 @@ def gate_up_gelu_triton(x: torch.Tensor, weight: torch.Tensor, launch: dict | No
         t = {**TILES, **(launch or {})}
         _gate_up_gelu_kernel[(rows, triton.cdiv(I, t["gu_n"]))](
             x2, weight, out, H, I, x2.stride(0), weight.stride(0), out.stride(0),
-            BLOCK_N=t["gu_n"], BLOCK_K=_block_k(H, t["gu_k"]), COMPILED=_COMPILED, num_warps=t["gu_warps"],
+            BLOCK_N=t["gu_n"], BLOCK_K=_block_k(H, t["gu_k"]), COMPILED=_COMPILED, PIPE=t.get("gu_pipe", 0),
+            num_warps=t["gu_warps"],
             **pdl_flags(x))
     return out.reshape(*x.shape[:-1], I)

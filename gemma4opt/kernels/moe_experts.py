@@ -39,11 +39,16 @@ def _gate_up_tile(acc_g, acc_u, x, g_rows, u_rows, k0, K, nmask, BLOCK_K: tl.con
 
 
 @triton.jit
-def gate_up_sums(x, g_rows, u_rows, H, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr):
-    """(g, u) [BLOCK_N] fp32: the gate rows' and the up rows' dot products with x over all of H."""
+def gate_up_sums(x, g_rows, u_rows, H, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr,
+                 PIPE: tl.constexpr = 0):
+    """(g, u) [BLOCK_N] fp32: the gate rows' and the up rows' dot products with x over all of H;
+    PIPE > 0: the loop's loads pipelined that many stages deep (kernels/skinny_linear.py's _ROW_PIPE)."""
     g = tl.zeros([BLOCK_N], tl.float32)
     u = tl.zeros([BLOCK_N], tl.float32)
-    if COMPILED:
+    if COMPILED and PIPE > 0:
+        for k0 in tl.range(0, H, BLOCK_K, num_stages=PIPE):
+            g, u = _gate_up_tile(g, u, x, g_rows, u_rows, k0, H, nmask, BLOCK_K)
+    elif COMPILED:
         for k0 in range(0, H, BLOCK_K):
             g, u = _gate_up_tile(g, u, x, g_rows, u_rows, k0, H, nmask, BLOCK_K)
     else:           # the interpreter takes no runtime range() bound
@@ -57,7 +62,7 @@ def gate_up_sums(x, g_rows, u_rows, H, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl
 @triton.jit
 def _gate_up_kernel(X, IDX, GU, GS, ACT, H, I, sxt, sge, sgn,
                     TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr,
-                    FP8: tl.constexpr, PDL: tl.constexpr):
+                    FP8: tl.constexpr, PDL: tl.constexpr, PIPE: tl.constexpr = 0):
     """ACT[p, n] = gelu_tanh(x[t] . GU[e, n]) * (x[t] . GU[e, I + n]) for pair p = t * TOPK + j.
     FP8: GU is e4m3 with one fp32 scale per (expert, row), GS [E, 2I], applied to each row's sum."""
     pdl_prologue(PDL)
@@ -67,7 +72,7 @@ def _gate_up_kernel(X, IDX, GU, GS, ACT, H, I, sxt, sge, sgn,
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
     g_rows = GU + e * sge + n.to(tl.int64)[:, None] * sgn
-    g, u = gate_up_sums(X + t.to(tl.int64) * sxt, g_rows, g_rows + I * sgn, H, nmask, BLOCK_N, BLOCK_K, COMPILED)
+    g, u = gate_up_sums(X + t.to(tl.int64) * sxt, g_rows, g_rows + I * sgn, H, nmask, BLOCK_N, BLOCK_K, COMPILED, PIPE)
     if FP8:
         g = g * tl.load(GS + e * 2 * I + n, mask=nmask, other=0.0)
         u = u * tl.load(GS + e * 2 * I + I + n, mask=nmask, other=0.0)
@@ -87,7 +92,7 @@ def _down_tile(acc, a_rows, w_rows, k0, K, jmask, wmask, BLOCK_K: tl.constexpr):
 @triton.jit
 def _down_kernel(ACT, IDX, WT, D, DS, OUT, H, I, sde, sdn,
                  TOPK: tl.constexpr, J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 COMPILED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+                 COMPILED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, PIPE: tl.constexpr = 0):
     """OUT[t, n] = sum over j of round(ACT[p] . D[e_p, n]) * WT[p], p = t * TOPK + j, in j order.
 
     The token's TOPK experts are one [J, BLOCK_N, BLOCK_K] tile (J: TOPK padded to a power of two),
@@ -110,7 +115,10 @@ def _down_kernel(ACT, IDX, WT, D, DS, OUT, H, I, sde, sdn,
     wmask = jmask[:, None, None] & nmask[None, :, None]
     dt = OUT.dtype.element_ty
     acc = tl.zeros([J, BLOCK_N], tl.float32)
-    if COMPILED:
+    if COMPILED and PIPE > 0:
+        for k0 in tl.range(0, I, BLOCK_K, num_stages=PIPE):
+            acc = _down_tile(acc, a_rows, w_rows, k0, I, jmask, wmask, BLOCK_K)
+    elif COMPILED:
         for k0 in range(0, I, BLOCK_K):
             acc = _down_tile(acc, a_rows, w_rows, k0, I, jmask, wmask, BLOCK_K)
     else:
@@ -141,13 +149,16 @@ def _block_k(K: int, most: int) -> int:
 # at the 26b-a4b's shapes on an H200 (benchmarks/results/sweeps_h200.jsonl) gate/up's best at one token
 # was 256-wide K tiles on 8 warps (31.2 us for the op against 35.0 with 512 on 4; 175.8 against 177.0
 # at 8 tokens), down's best at 8 tokens 2 rows per program (160.8 against 177.0; 33.6 against 35.0 at one).
-TILES = dict(gu_n=8, gu_k=256, gu_warps=8, dn_n=2, dn_k=256, dn_warps=4)
+TILES = dict(gu_n=8, gu_k=256, gu_warps=8, dn_n=2, dn_k=256, dn_warps=4, gu_pipe=0, dn_pipe=0)
 # fp8 experts (e4m3 weights, half the bytes a row): their own tiles, from ``bench_kernels.py --sweep
 # moe_fp8`` at the 26b-a4b's shapes on an H200 (sweeps_h200.jsonl, each tile against the bf16 tiles):
 # gate/up's 512-wide K tiles on 8 warps were faster at 1, 4 and 8 tokens (19.5 / 62.1 / 114.0 us
 # against 21.2 / 68.0 / 124.8); down on 2 warps 2 rows a program at one token (19.1), 4 rows above
 # (64.1 / 118.6). The grouped kernels at decode's pair counts took 66.6 us at one token.
-TILES_FP8 = dict(gu_n=8, gu_k=512, gu_warps=8, dn_n=2, dn_k=256, dn_warps=2)
+TILES_FP8 = dict(gu_n=8, gu_k=512, gu_warps=8, dn_n=2, dn_k=256, dn_warps=2, gu_pipe=0, dn_pipe=0)
+# gu_pipe / dn_pipe: the K loop's loads pipelined that many stages deep (0: the plain loop, which makes
+# one trip to memory per tile; kernels/skinny_linear.py's _ROW_PIPE). Off until timed on a GPU
+# (``bench_kernels.py --sweep moe_pipe``, bench_generate's ``-moe-pipe`` systems).
 TILES_FP8_ROWS = dict(dn_n=4)      # over TILES_FP8 for more than one token
 
 
@@ -194,10 +205,10 @@ def moe_experts_triton(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     _gate_up_kernel[(T * k, triton.cdiv(I, t["gu_n"]))](
         x, idx, gate_up, gate_up_scale if fp8 else wt, act, H, I, x.stride(0), gate_up.stride(0), gate_up.stride(1),
         TOPK=k, BLOCK_N=t["gu_n"], BLOCK_K=_block_k(H, t["gu_k"]), COMPILED=_COMPILED, FP8=fp8,
-        num_warps=t["gu_warps"], **pdl_flags(x))
+        PIPE=t.get("gu_pipe", 0), num_warps=t["gu_warps"], **pdl_flags(x))
     # Down: one program per H-block of a token (its k pairs summed in it), not per pair.
     _down_kernel[(T, triton.cdiv(H, t["dn_n"]))](
         act, idx, wt, down, down_scale if fp8 else wt, out, H, I, down.stride(0), down.stride(1),
         TOPK=k, J=triton.next_power_of_2(k), BLOCK_N=t["dn_n"], BLOCK_K=_block_k(I, t["dn_k"]), COMPILED=_COMPILED,
-        FP8=fp8, num_warps=t["dn_warps"], **pdl_flags(x))
+        FP8=fp8, PIPE=t.get("dn_pipe", 0), num_warps=t["dn_warps"], **pdl_flags(x))
     return out

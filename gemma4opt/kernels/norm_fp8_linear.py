@@ -19,16 +19,17 @@ import triton
 import triton.language as tl
 
 from gemma4opt.kernels._util import COMPILED as _COMPILED, dense, pdl_flags, pdl_prologue, rows_view
-from gemma4opt.kernels.fp8_linear import _ROW_SUM
+from gemma4opt.kernels.fp8_linear import _ROW_SUM, ROW_SUM_PIPE, pipe_offered
 from gemma4opt.kernels.fp8_quant import fp8_quantize, fp8_row_scale
 from gemma4opt.kernels.norm_linear import _factors, _input_tile, one_short_row
-from gemma4opt.kernels.skinny_linear import bench_short
+from gemma4opt.kernels.skinny_linear import TUNERS, bench_short
 
 
 @triton.jit
 def _norm_fp8_linear_kernel(X, R, W1, SCALE, W2, S, W, WS, Y, N, K, swn, eps1, eps2,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                            HAS_SCALE: tl.constexpr, COMPILED: tl.constexpr, PDL: tl.constexpr):
+                            HAS_SCALE: tl.constexpr, COMPILED: tl.constexpr, PDL: tl.constexpr, PIPE: tl.constexpr = 0):
+    # PIPE: the K loop pipelined in PIPE stages (kernels/skinny_linear.py's _ROW_PIPE).
     pdl_prologue(PDL)
     dt = S.dtype.element_ty
     cols = tl.arange(0, BLOCK_D)
@@ -41,7 +42,10 @@ def _norm_fp8_linear_kernel(X, R, W1, SCALE, W2, S, W, WS, Y, N, K, swn, eps1, e
     nmask = n < N
     w_rows = W + n.to(tl.int64)[:, None] * swn
     acc = tl.zeros([BLOCK_N], tl.float32)
-    if COMPILED:
+    if COMPILED and PIPE > 0:
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=PIPE):
+            acc = _k_tile(acc, X, R, W1, W2, w_rows, k0, K, nmask, inv1, inv2, scale, xs, dt, BLOCK_K, HAS_SCALE)
+    elif COMPILED:
         for k0 in range(0, K, BLOCK_K):
             acc = _k_tile(acc, X, R, W1, W2, w_rows, k0, K, nmask, inv1, inv2, scale, xs, dt, BLOCK_K, HAS_SCALE)
     else:                   # the interpreter takes no runtime range() bound
@@ -64,9 +68,13 @@ def _k_tile(acc, X, R, W1, W2, w_rows, k0, K, nmask, inv1, inv2, scale, xs, dt: 
     return acc + tl.sum(w.to(tl.float32) * q.to(tl.float32)[None, :], 1)
 
 
-_tuned = triton.autotune(configs=[triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=st)
-                                  for bn, bk, w, _, st in _ROW_SUM],
-                         key=["N", "K"], do_bench=bench_short)(_norm_fp8_linear_kernel)
+_CONFIGS = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=st) for bn, bk, w, _, st in _ROW_SUM]
+_CONFIGS += [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk, PIPE=st), num_warps=w, num_stages=st)
+             for bn, bk, w, _, st in ROW_SUM_PIPE]
+_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K"], do_bench=bench_short, prune_configs_by={
+    "early_config_prune": lambda configs, named_args, **kw: [c for c in configs if pipe_offered(c, named_args["K"])]})(
+    _norm_fp8_linear_kernel)
+TUNERS.append(_tuned)
 
 
 def supported(x: torch.Tensor, w_fp8: torch.Tensor, out_dtype: torch.dtype) -> str | None:

@@ -28,8 +28,8 @@ import triton.language as tl
 from gemma4opt.kernels._util import COMPILED as _COMPILED, dense, pdl_flags, pdl_prologue, rows_view
 from gemma4opt.kernels.add_rms_norm import residual_sum
 from gemma4opt.kernels.rms_norm import inv_rms
-from gemma4opt.kernels.skinny_linear import (_ROW_SPLIT, _ROW_SUM, _WHOLE, _out, _sum_splits, bench_short, k_range,
-                                             launch_tiles, max_split, row_splits, tile_configs)
+from gemma4opt.kernels.skinny_linear import (_ROW_PIPE, _ROW_SPLIT, _ROW_SUM, _WHOLE, TUNERS, _out, _sum_splits,
+                                             bench_short, k_range, launch_tiles, max_split, row_splits, tile_configs)
 
 MAX_K = 8192
 
@@ -76,9 +76,10 @@ def _factors(X, R, W1, SCALE, S, cols, cmask, K, eps1, eps2, dt: tl.constexpr, N
 def _norm_linear_kernel(X, R, W1, SCALE, W2, S, W, Y, P, M, N, K, swn, sym, eps1, eps2,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, SWAP: tl.constexpr, BLOCK_D: tl.constexpr, NEXT: tl.constexpr,
-                        HAS_SCALE: tl.constexpr, COMPILED: tl.constexpr, PDL: tl.constexpr, CAP: tl.constexpr = 0.0):
+                        HAS_SCALE: tl.constexpr, COMPILED: tl.constexpr, PDL: tl.constexpr, CAP: tl.constexpr = 0.0,
+                        PIPE: tl.constexpr = 0):
     # BLOCK_M (always 1) and SWAP (always False): keys of the autotune configs and prune shared
-    # with kernels/skinny_linear.py.
+    # with kernels/skinny_linear.py; PIPE: its K loop pipelined in PIPE stages, as there.
     pdl_prologue(PDL)
     dt = S.dtype.element_ty
     cols = tl.arange(0, BLOCK_D)
@@ -101,7 +102,11 @@ def _norm_linear_kernel(X, R, W1, SCALE, W2, S, W, Y, P, M, N, K, swn, sym, eps1
         s, inv1, inv2, scale = _factors(X, R, W1, SCALE, S, cols, cmask, K, eps1, eps2, dt, NEXT, HAS_SCALE)
         lo, hi = k_range(K, SPLIT_K, BLOCK_K)
         acc = tl.zeros([BLOCK_N], tl.float32)
-        if COMPILED:
+        if COMPILED and PIPE > 0:
+            for k0 in tl.range(lo, hi, BLOCK_K, num_stages=PIPE):
+                acc = _k_tile(acc, X, R, W1, W2, w_rows, k0, hi, nmask, inv1, inv2, scale, dt, BLOCK_K, NEXT,
+                              HAS_SCALE)
+        elif COMPILED:
             for k0 in range(lo, hi, BLOCK_K):
                 acc = _k_tile(acc, X, R, W1, W2, w_rows, k0, hi, nmask, inv1, inv2, scale, dt, BLOCK_K, NEXT,
                               HAS_SCALE)
@@ -129,9 +134,10 @@ def _k_tile(acc, X, R, W1, W2, w_rows, k0, hi, nmask, inv1, inv2, scale, dt: tl.
 
 
 # The skinny GEMM's one-row tiles (row sums, whole-K, split-K), offered as it offers them.
-_CONFIGS, _keep = tile_configs(_ROW_SUM, [], _WHOLE, [], _ROW_SPLIT)
+_CONFIGS, _keep = tile_configs(_ROW_SUM, [], _WHOLE, [], _ROW_SPLIT, _ROW_PIPE)
 _tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "NEXT"], do_bench=bench_short, post_hook=_sum_splits,
                          prune_configs_by={"early_config_prune": _keep})(_norm_linear_kernel)
+TUNERS.append(_tuned)
 
 
 def one_short_row(x: torch.Tensor) -> str | None:

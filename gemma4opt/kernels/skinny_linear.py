@@ -33,7 +33,8 @@ from gemma4opt.kernels.softcap import softcap_rounded
 MAX_ROWS = 32
 # Triton's interpreter (CPU tests) multiplies bf16 dot tiles as raw integers, takes no runtime
 # loop bound and cannot benchmark configs: there tiles go to fp32, the loop is a while loop, and
-# one config runs. The compiled kernel keeps the for loop (Triton pipelines its loads).
+# one config runs. The compiled kernel keeps the for loop: Triton pipelines the loads that feed
+# tl.dot on its own, the row sums' loads only in a loop that asks (PIPE, below).
 _INTERPRETER_SPLIT = 2      # the one config the interpreter runs for 2+ rows (tests may change it)
 
 
@@ -122,8 +123,9 @@ def _out(acc, dt, CAP: tl.constexpr):
 def _skinny_kernel(X, U, W, Y, P, M, N, K, sxm, sum_, swn, sym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                    COMPILED: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
-                   CAP: tl.constexpr = 0.0, GELU: tl.constexpr = False):
+                   CAP: tl.constexpr = 0.0, GELU: tl.constexpr = False, PIPE: tl.constexpr = 0):
     # GELU: the input is gelu_tanh(X) * U (X, U of one shape; row strides sxm, sum_); else U is unread.
+    # PIPE: the one-row tiles' K loop pipelined in PIPE stages (``pipelined_range``).
     pdl_prologue(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
@@ -138,7 +140,11 @@ def _skinny_kernel(X, U, W, Y, P, M, N, K, sxm, sum_, swn, sym,
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if COMPILED:
+    if COMPILED and PIPE > 0:
+        for k0 in tl.range(lo, hi, BLOCK_K, num_stages=PIPE):
+            acc = _k_tile(acc, X, U, w_rows, k0, hi, nmask, m, mmask, sxm, sum_, BLOCK_M, BLOCK_K, COMPILED, IEEE,
+                          SWAP, GELU)
+    elif COMPILED:
         for k0 in range(lo, hi, BLOCK_K):
             acc = _k_tile(acc, X, U, w_rows, k0, hi, nmask, m, mmask, sxm, sum_, BLOCK_M, BLOCK_K, COMPILED, IEEE,
                           SWAP, GELU)
@@ -210,6 +216,14 @@ NARROW_N = 8192
 # K. Split in 2 or 4, the partials summed by the second kernel as at 2-32 rows.
 ROW_SPLIT_MIN_K = 4096
 _ROW_SPLIT = [(bn, bk, 4, sk, 3, False) for bn in (4, 8) for bk in (512, 1024) for sk in (2, 4)]
+# Pipelined row sums (PIPE = stages): Triton pipelines a loop's loads on its own only where they feed
+# tl.dot. Compiled for sm_90, the row-sum loop above loads a tile and sums it before it loads the
+# next (plain loads, no cp.async), one trip to memory per tile: a program of the e4b's MLP down
+# (K = 10240 in 512-wide tiles) makes 20 in a row. These ask the loop to stage its loads through
+# shared memory (cp.async) ``stages`` deep, so that a program keeps tiles in flight while it sums one
+# (tests/kernels/test_compiles_for_sm90.py checks both forms). Same loads, same sums, same bits.
+_ROW_PIPE = [(4, 512, 4, 1, 3, False), (8, 512, 4, 1, 3, False), (8, 1024, 4, 1, 3, False), (16, 512, 8, 1, 3, False),
+             (4, 512, 4, 1, 4, False), (4, 512, 4, 2, 3, False), (8, 512, 4, 4, 3, False)]
 _DOT_NARROW = [(16, 128, 4, 8, 3, True), (16, 128, 4, 16, 3, True), (32, 128, 4, 4, 3, True),
                (32, 128, 4, 8, 3, True), (64, 128, 4, 8, 3, True)]
 WIDE_SPLIT = max(t[3] for t in _DOT)                  # the most splits a tile offered to N > NARROW_N takes
@@ -222,30 +236,39 @@ def max_split(N: int) -> int:
 
 
 def tile_configs(row_sum: list[tuple], dot: list[tuple], whole_k: list[tuple] = (), narrow: list[tuple] = (),
-                 row_split: list[tuple] = ()):
+                 row_split: list[tuple] = (), pipelined: list[tuple] = ()):
     """Autotune configs from (BLOCK_N, BLOCK_K, warps, splits, stages, SWAP) tuples, and the prune
     that keeps the row-sum path's configs for one row and tl.dot's for more; ``whole_k`` ones join
     the row-sum configs of a K they cover in one tile, ``narrow`` ones the tl.dot configs of an
-    N <= NARROW_N, ``row_split`` ones the row-sum configs of an N <= NARROW_N with K >= ROW_SPLIT_MIN_K
-    (each while ``use_tiles`` offers them)."""
-    configs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "SWAP": swap}, num_warps=w, num_stages=st)
-               for bn, bk, w, sk, st, swap in dict.fromkeys(row_sum + dot + list(whole_k) + list(narrow)
-                                                            + list(row_split))]
+    N <= NARROW_N, ``row_split`` ones the row-sum configs of an N <= NARROW_N with K >= ROW_SPLIT_MIN_K,
+    ``pipelined`` ones (row sums whose K loop is pipelined in ``stages`` stages: PIPE) those of a K
+    longer than their BLOCK_K, split ones only where ``row_split`` ones go (each while ``use_tiles``
+    offers them)."""
+    def config(t, pipe):
+        bn, bk, w, sk, st, swap = t
+        return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "SWAP": swap, "PIPE": st if pipe else 0},
+                             num_warps=w, num_stages=st)
+
+    plain = dict.fromkeys(row_sum + dot + list(whole_k) + list(narrow) + list(row_split))
+    configs = [config(t, False) for t in plain] + [config(t, True) for t in dict.fromkeys(pipelined)]
 
     def key(c):
         k = c.kwargs
-        return k["BLOCK_N"], k["BLOCK_K"], c.num_warps, k["SPLIT_K"], c.num_stages, k["SWAP"]
+        return k["BLOCK_N"], k["BLOCK_K"], c.num_warps, k["SPLIT_K"], c.num_stages, k["SWAP"], k["PIPE"] > 0
 
     def keep(configs, named_args, **kwargs):
         bm = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
+        N, K = named_args["N"], named_args["K"]
         want = set(row_sum if bm == 1 else dot)
         if bm == 1 and _offered["whole_k"]:
-            K = named_args["K"]
             want |= {t for t in whole_k if t[1] // 2 < K <= t[1]}
-        if bm == 1 and _offered["row_split"] and row_splits(named_args["N"], named_args["K"]):
+        if bm == 1 and _offered["row_split"] and row_splits(N, K):
             want |= set(row_split)
-        if bm > 1 and _offered["narrow"] and named_args["N"] <= NARROW_N:
+        if bm > 1 and _offered["narrow"] and N <= NARROW_N:
             want |= set(narrow)
+        want = {(*t, False) for t in want}
+        if bm == 1 and _offered["pipelined"]:
+            want |= {(*t, True) for t in pipelined if t[1] < K and (t[3] == 1 or row_splits(N, K))}
         return [c for c in configs if key(c) in want] or configs
 
     return configs, keep
@@ -265,7 +288,7 @@ def _sum_splits(nargs, exception=None):
                                                      BLOCK=512, CAP=nargs.get("CAP", 0.0), **pdl_flags(y))
 
 
-_offered = {"whole_k": True, "narrow": True, "row_split": True}
+_offered = {"whole_k": True, "narrow": True, "row_split": True, "pipelined": True}
 
 
 def row_splits(N: int, K: int) -> bool:
@@ -273,18 +296,21 @@ def row_splits(N: int, K: int) -> bool:
     return _offered["row_split"] and N <= NARROW_N and K >= ROW_SPLIT_MIN_K
 
 
-def use_tiles(whole_k: bool = True, narrow: bool = True, row_split: bool = True) -> None:
-    """Offer the whole-K tiles at one row, the narrow tiles at 2-32 rows and the split-K tiles at one
-    row, or not (benchmarks: their share). Forgets the tuned tiles, which were picked with or without them."""
-    want = {"whole_k": whole_k, "narrow": narrow, "row_split": row_split}
+def use_tiles(whole_k: bool = True, narrow: bool = True, row_split: bool = True, pipelined: bool = True) -> None:
+    """Offer the whole-K tiles at one row, the narrow tiles at 2-32 rows, the split-K tiles at one
+    row and the pipelined row sums, or not (benchmarks: their share). Forgets the tuned tiles, which
+    were picked with or without them."""
+    want = {"whole_k": whole_k, "narrow": narrow, "row_split": row_split, "pipelined": pipelined}
     if want != _offered:
         _offered.update(want)
-        _tuned.cache.clear()
+        for tuner in TUNERS:
+            tuner.cache.clear()
 
 
-_CONFIGS, _keep = tile_configs(_ROW_SUM, _DOT, _WHOLE, _DOT_NARROW, _ROW_SPLIT)
+_CONFIGS, _keep = tile_configs(_ROW_SUM, _DOT, _WHOLE, _DOT_NARROW, _ROW_SPLIT, _ROW_PIPE)
 _tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M"], do_bench=bench_short, post_hook=_sum_splits,
                          prune_configs_by={"early_config_prune": _keep})(_skinny_kernel)
+TUNERS = [_tuned]       # the autotuners offered tiles by ``use_tiles`` (kernels/norm_linear.py's joins)
 
 
 def launch_tiles(tuned, kernel, args: tuple, flags: dict, config: dict | None, N: int, swap_ok: bool,

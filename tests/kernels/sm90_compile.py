@@ -9,6 +9,7 @@ front end refuses, type and layout errors, register spills) in kernels not yet r
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -23,7 +24,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from benchmarks.sass_decode_attention import compile_split_kernel  # noqa: E402
-from gemma4opt.kernels import add_rms_norm, norm_fp8_linear, norm_linear, rope_cos_sin, skinny_linear  # noqa: E402
+from gemma4opt.kernels import (add_rms_norm, fp8_linear, moe_experts, norm_fp8_linear, norm_linear,  # noqa: E402
+                               rope_cos_sin, skinny_linear)
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -61,12 +63,42 @@ def _variants():
     yield ("rope_cos_sin", rope_cos_sin._rope_cos_sin_kernel,
            dict(POS="*i64", INV="*fp32", COS=BF16, SIN=BF16, scaling="fp32", HALF="i32"),
            dict(BLOCK=128, COMPILED=True, PDL=True), 2)
+    sk = dict(X=BF16, U=BF16, W=BF16, Y=BF16, P="*fp32", M="i32", N="i32", K="i32", sxm="i32", sum_="i32",
+              swn="i32", sym="i32")
     for bn, bk, split in ((4, 512, 2), (8, 1024, 4)):
-        yield (f"skinny one-row split {bn}x{bk}/{split}", skinny_linear._skinny_kernel,
-               dict(X=BF16, U=BF16, W=BF16, Y=BF16, P="*fp32", M="i32", N="i32", K="i32", sxm="i32", sum_="i32",
-                    swn="i32", sym="i32"),
+        yield (f"skinny one-row split {bn}x{bk}/{split}", skinny_linear._skinny_kernel, sk,
                dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, COMPILED=True, IEEE=False, SWAP=False, PDL=True,
                     CAP=0.0, GELU=False), 4)
+    # The one-row row sums' K loop, plain and pipelined (PIPE): "row sums" / "pipelined" in the name.
+    for pipe in (0, 3):
+        kind = f"pipelined {pipe}" if pipe else "row sums"
+        for bn, bk, split, warps, gelu in ((4, 512, 1, 4, False), (16, 512, 1, 8, False), (8, 512, 4, 4, False),
+                                           (4, 512, 1, 4, True)):
+            yield (f"skinny {kind} {bn}x{bk}/{split} w{warps} gelu={gelu}", skinny_linear._skinny_kernel, sk,
+                   dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, COMPILED=True, IEEE=False, SWAP=False,
+                        PDL=True, CAP=0.0, GELU=gelu, PIPE=pipe), warps)
+        for bn, bk in ((8, 512), (8, 2048)):
+            yield (f"fp8_linear {kind} {bn}x{bk}", fp8_linear._fp8_linear_kernel,
+                   dict(X="*fp8e4nv", XS="*fp32", W="*fp8e4nv", WS="*fp32", Y=BF16, P="*fp32", M="i32", N="i32", K="i32",
+                        sxm="i32", swn="i32", sym="i32", ROWS="i32"),
+                   dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, COMPILED=True, SWAP=False, PDL=True, CAP=0.0,
+                        PIPE=pipe), 4)
+        yield (f"norm_linear {kind} 4x512", norm_linear._norm_linear_kernel, nl,
+               dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=512, SPLIT_K=1, SWAP=False, BLOCK_D=4096, NEXT=True, HAS_SCALE=True,
+                    COMPILED=True, PDL=True, CAP=0.0, PIPE=pipe), 4)
+        yield (f"norm_fp8_linear {kind} 8x512", norm_fp8_linear._norm_fp8_linear_kernel, nf,
+               dict(BLOCK_N=8, BLOCK_K=512, BLOCK_D=4096, HAS_SCALE=True, COMPILED=True, PDL=True, PIPE=pipe), 4)
+        # The MoE decode kernels at the 26b-a4b's shapes (H 2816, I 704), bf16 and fp8 experts, their tiles.
+        for fp8, (gu_n, gu_k, gu_w, dn_n, dn_w) in ((False, (8, 256, 8, 2, 4)), (True, (8, 512, 8, 2, 2))):
+            wdt = "*fp8e4nv" if fp8 else BF16
+            yield (f"moe gate_up {kind} fp8={fp8}", moe_experts._gate_up_kernel,
+                   dict(X=BF16, IDX="*i64", GU=wdt, GS="*fp32", ACT=BF16, H="i32", I="i32", sxt="i32", sge="i32",
+                        sgn="i32"),
+                   dict(TOPK=8, BLOCK_N=gu_n, BLOCK_K=gu_k, COMPILED=True, FP8=fp8, PDL=True, PIPE=pipe), gu_w)
+            yield (f"moe down {kind} fp8={fp8}", moe_experts._down_kernel,
+                   dict(ACT=BF16, IDX="*i64", WT="*fp32", D=wdt, DS="*fp32", OUT=BF16, H="i32", I="i32", sde="i32",
+                        sdn="i32"),
+                   dict(TOPK=8, J=8, BLOCK_N=dn_n, BLOCK_K=256, COMPILED=True, FP8=fp8, PDL=True, PIPE=pipe), dn_w)
 
 
 def _ptxas(ptx: str) -> dict:
@@ -81,6 +113,9 @@ def _ptxas(ptx: str) -> dict:
 
 def _compile(fn, types: dict, constexprs: dict, warps: int):
     names = fn.arg_names
+    defaults = {n: p.default for n, p in inspect.signature(fn.fn).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    constexprs = {**{n: v for n, v in defaults.items() if n not in types}, **constexprs}   # as a launch leaves them
     # Pointers (torch allocations) and the integers that are multiples of 16 at the e4b's shapes:
     # Triton specializes both at run time, and without it the code (and its registers) differ.
     divisible = [n for n in names if n not in constexprs and (types[n].startswith("*") or n in _DIVISIBLE_INTS)]
@@ -90,7 +125,8 @@ def _compile(fn, types: dict, constexprs: dict, warps: int):
     return triton.compile(src, target=TARGET, options=dict(num_warps=warps))
 
 
-_DIVISIBLE_INTS = ("N", "K", "swn", "sym", "sx", "sr", "ss", "sn", "D", "sxm", "sum_")
+_DIVISIBLE_INTS = ("N", "K", "swn", "sym", "sx", "sr", "ss", "sn", "D", "sxm", "sum_", "H", "I", "sxt", "sge", "sgn",
+                   "sde", "sdn")
 
 
 def _rows():
@@ -105,7 +141,8 @@ def _rows():
 def main() -> None:
     for name, build in _rows():
         try:
-            row = dict(name=name, ok=True, **_ptxas(build().asm["ptx"]))
+            ptx = build().asm["ptx"]
+            row = dict(name=name, ok=True, cp_async=ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), **_ptxas(ptx))
         except Exception as e:  # noqa: BLE001 - reported, the test fails on it
             row = dict(name=name, ok=False, error=f"{type(e).__name__}: {str(e)[:500]}")
         print(json.dumps(row), flush=True)

@@ -41,3 +41,13 @@ def test_no_variant_spills_registers(rows):
                if r["ok"] and r["spill_bytes"] and not r["name"].startswith(COMPILE_ONLY)]
     assert not spilled, spilled
     assert all(r["regs"] for r in rows if r["ok"]), "ptxas printed no register count"
+
+
+def test_row_sum_loads_are_pipelined_only_where_the_loop_asks(rows):
+    """Triton pipelines (cp.async) the loads that feed tl.dot on its own; a row sum's K loop only with
+    PIPE: the plain loop makes one trip to memory per tile, the pipelined one stages them."""
+    plain = [r for r in rows if r["ok"] and " row sums " in r["name"]]
+    piped = [r for r in rows if r["ok"] and " pipelined " in r["name"]]
+    assert len(plain) == len(piped) >= 8
+    assert all(r["cp_async"] == 0 for r in plain), [(r["name"], r["cp_async"]) for r in plain]
+    assert all(r["cp_async"] > 0 for r in piped), [(r["name"], r["cp_async"]) for r in piped]
