@@ -208,7 +208,9 @@ parts() {
   case $1 in
     early-kv) echo early-kv-tests early-kv-e4b early-kv-attention early-kv-mutant ;;
     rope) echo rope-tests rope-e4b ;;
-    pending-quick) echo norm-linear-tests rope-kernel-tests quick-e4b ;;
+    pending-quick) echo norm-linear-tests pipe-tests quick-e4b ;;
+    pending-fp8) echo fp8-e4b-pipe ;;
+    pending-26b) echo moe-pipe-sweep pipe-26b ;;
     pending-tests-a) echo early-kv-tests early-kv-mutant early-kv-attention ;;
     pending-tests-b) echo rope-tests norm-linear-tests row-split-tests ;;
     *) echo "$1" ;;
@@ -522,8 +524,25 @@ for s in $(for a in "$@"; do parts "$a"; done); do
     rope-kernel-tests)
       stage rope-kernel-tests 90 $PYTEST tests/gpu/test_gpu_rope.py ;;
     quick-e4b)
-      stage quick-e4b 360 $GEN e4b --batch 1 --systems eager gemma4opt-no-norm-linear gemma4opt gemma4opt-no-rope \
-            gemma4opt-no-row-split --json "$OUT/generate.jsonl" ;;
+      stage quick-e4b 330 $GEN e4b --batch 1 --systems eager gemma4opt-no-pipe gemma4opt gemma4opt-no-norm-linear \
+            --json "$OUT/generate.jsonl" ;;
+    # The pipelined row sums (PIPE): each one-row GEMM's pipelined loop against its plain loop, bit for bit, bf16,
+    # fp8, the residual-tail GEMMs, the MoE decode kernels, the dense gate/up GEMV (110 s).
+    pipe-tests)
+      stage pipe-tests 110 $PYTEST tests/gpu/test_gpu_pipelined.py ;;
+    # fp8 weights + lm_head on the e4b at batch 1: without the pipelined row sums, with, without norm_linear (520 s).
+    fp8-e4b-pipe)
+      stage fp8-e4b-pipe 520 $GEN e4b --batch 1 --systems eager gemma4opt-fp8-head-no-pipe gemma4opt-fp8-head \
+            gemma4opt-fp8-head-no-norm-linear --json "$OUT/generate.jsonl" ;;
+    # The MoE decode kernels' pipelined loops, kernel by kernel (bf16 and fp8 experts, 1 and 8 tokens; 150 s),
+    # then the 26b-a4b at batch 1: eager, the defaults, the MoE loops pipelined, without the pipelined row sums (400 s).
+    moe-pipe-sweep)
+      stage moe-pipe-sweep 150 bash -c "python3 benchmarks/bench_kernels.py --sweep moe_pipe --presets 26b-a4b --m 1 8 \
+            --json $OUT/moe_pipe.jsonl && python3 benchmarks/bench_kernels.py --sweep moe_fp8_pipe --presets 26b-a4b \
+            --m 1 8 --json $OUT/moe_fp8_pipe.jsonl" ;;
+    pipe-26b)
+      stage pipe-26b 400 $GEN 26b-a4b --batch 1 --systems eager gemma4opt gemma4opt-moe-pipe gemma4opt-no-pipe \
+            --json "$OUT/generate.jsonl" ;;
     # norm_linear: the tail inside the GEMM compiled against the two kernels at the presets' shapes, every tile
     # kind, the op's pick and a graph replay; the interpreter's kernel tests compiled (150 s).
     norm-linear-tests)
