@@ -75,8 +75,12 @@
 #              graph replay) with the paged generate ones (150 s), the e4b at batch 1 in bf16 and fp8 weights + lm_head
 #              with and without it, beside eager (330 s). One call.
 #   pending-quick  the most of that in one call where device time is short: norm_linear's GPU tests (120 s),
-#              rope_cos_sin's bit tests (90 s), the e4b at batch 1 in bf16 with and without each of norm_linear,
-#              rope_cos_sin and the one-row split tiles, beside eager (360 s; FlashInfer JIT-compiles in it).
+#              the pipelined row sums' bit tests (110 s), the e4b at batch 1 in bf16 with and without each of the
+#              pipelined row sums and norm_linear, beside eager (330 s; FlashInfer JIT-compiles in it).
+#   pending-fp8  the e4b at batch 1 with fp8 weights + lm_head, with and without each of the pipelined row sums and
+#              norm_fp8_linear, beside eager (520 s).
+#   pending-26b  the MoE decode kernels' pipelined loops swept kernel by kernel (150 s), then the 26b-a4b at batch 1
+#              with them, with the defaults, without the pipelined row sums, beside eager (400 s).
 #   pending-tests-a, pending-tests-b, pending-e4b  what the CPU-only sessions built, in three calls: early-kv's
 #              GPU tests and mutant (360 s), the decode attention kernel late against early (100 s); rope's GPU tests
 #              with the paged generate ones (150 s), norm_linear's (120 s), the GEMM tests with the one-row split-K
