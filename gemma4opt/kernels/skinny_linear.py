@@ -125,7 +125,7 @@ def _skinny_kernel(X, U, W, Y, P, M, N, K, sxm, sum_, swn, sym,
                    COMPILED: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
                    CAP: tl.constexpr = 0.0, GELU: tl.constexpr = False, PIPE: tl.constexpr = 0):
     # GELU: the input is gelu_tanh(X) * U (X, U of one shape; row strides sxm, sum_); else U is unread.
-    # PIPE: the one-row tiles' K loop pipelined in PIPE stages (``pipelined_range``).
+    # PIPE: the one-row tiles' K loop pipelined in PIPE stages (``_ROW_PIPE``).
     pdl_prologue(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
@@ -310,7 +310,7 @@ def use_tiles(whole_k: bool = True, narrow: bool = True, row_split: bool = True,
 _CONFIGS, _keep = tile_configs(_ROW_SUM, _DOT, _WHOLE, _DOT_NARROW, _ROW_SPLIT, _ROW_PIPE)
 _tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M"], do_bench=bench_short, post_hook=_sum_splits,
                          prune_configs_by={"early_config_prune": _keep})(_skinny_kernel)
-TUNERS = [_tuned]       # the autotuners offered tiles by ``use_tiles`` (kernels/norm_linear.py's joins)
+TUNERS = [_tuned]       # the autotuners ``use_tiles`` offers tiles to (the fp8 and residual-tail GEMMs' join)
 
 
 def launch_tiles(tuned, kernel, args: tuple, flags: dict, config: dict | None, N: int, swap_ok: bool,
