@@ -178,9 +178,10 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      "gemma4opt-no-row-split": dict(row_split=False),
                      # ... and at 2-32 rows without its narrow tiles (16-32 W rows, K split up to 16 ways).
                      "gemma4opt-no-narrow": dict(narrow=False),
-                     # The one-row GEMMs (bf16, fp8, with the residual tail) without their pipelined row sums.
-                     "gemma4opt-no-pipe": dict(pipelined=False),
-                     "gemma4opt-fp8-head-no-pipe": dict(quantization="fp8", quantize_lm_head=True, pipelined=False),
+                     # The one-row GEMMs (bf16, fp8, with the residual tail) offered their pipelined row sums
+                     # (off by default; on by default at commit ab14225, where "-no-pipe" took them away).
+                     "gemma4opt-pipe": dict(pipelined=True),
+                     "gemma4opt-fp8-head-pipe": dict(quantization="fp8", quantize_lm_head=True, pipelined=True),
                      # The MoE decode kernels' (and the dense gate/up GEMV's) K loops pipelined 3 stages deep.
                      "gemma4opt-moe-pipe": dict(moe_pipe=3),
                      "gemma4opt-fp8-head-moe-pipe": dict(quantization="fp8", quantize_lm_head=True, moe_pipe=3),
@@ -246,7 +247,7 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         opts = dict(GEMMA4OPT_SYSTEMS[system])
         set_pdl(opts.pop("pdl", PDL_DEFAULT))      # read at each launch: off for this system's whole run
         use_tiles(opts.pop("whole_k", True), opts.pop("narrow", True),      # read when a GEMM shape is first tuned
-                  opts.pop("row_split", True), opts.pop("pipelined", True))
+                  opts.pop("row_split", True), opts.pop("pipelined", False))
         set_decode_row_warps(opts.pop("row_warps", None))   # read at each launch, captured with the graphs
         set_early_reads(opts.pop("early_kv", False))        # the same
         moe_pipe = opts.pop("moe_pipe", 0)                  # read at each launch, captured with the graphs

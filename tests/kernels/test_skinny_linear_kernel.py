@@ -259,9 +259,9 @@ def test_one_row_split_tiles_are_offered_to_narrow_n_over_long_k():
 
 
 def test_pipelined_row_sums_are_offered_over_more_than_one_k_tile():
-    """The pipelined row sums (PIPE) join the one-row tiles where K takes more than one of their
-    tiles, split ones only where split tiles go; use_tiles(pipelined=False) takes them all away,
-    from the bf16, fp8 and residual-tail GEMMs alike."""
+    """The pipelined row sums (PIPE), off by default: use_tiles(pipelined=True) offers them to the bf16,
+    fp8 and residual-tail GEMMs alike, beside the one-row tiles, where K takes more than one of their
+    tiles, split ones only where split tiles go."""
     from gemma4opt.kernels import fp8_linear as f8
     from gemma4opt.kernels import norm_fp8_linear as nf8
     from gemma4opt.kernels import norm_linear as nl
@@ -270,21 +270,21 @@ def test_pipelined_row_sums_are_offered_over_more_than_one_k_tile():
     def piped(N, K, bm=1):
         return {(c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"]) for c in sl._keep(sl._CONFIGS, dict(K=K, N=N, BLOCK_M=bm))
                 if c.kwargs["PIPE"]}
-    assert piped(2560, 10240) == {(512, 1), (1024, 1), (512, 2), (512, 4)}     # the e4b's MLP down: splits too
-    assert piped(3072, 2560) == {(512, 1), (1024, 1)}                           # q/k/v: K too short to split
-    assert piped(3072, 512) == set() and piped(3072, 2560, bm=16) == set()      # one tile; the tensor-core path
-    assert all(c.kwargs["PIPE"] == c.num_stages for c in sl._CONFIGS if c.kwargs["PIPE"])
-    assert {c.kwargs["PIPE"] > 0 for c in nl._keep(nl._CONFIGS, dict(K=2560, N=3072, BLOCK_M=1))} == {False, True}
 
     def fp8_piped(K):
         return {c.kwargs["BLOCK_K"] for c in f8._keep(f8._tuned.configs, dict(K=K, N=5376, ROWS=1))
                 if c.kwargs.get("PIPE")}
-    assert fp8_piped(5376) == {512, 1024, 2048} and fp8_piped(1024) == {512}
     nf8_prune = nf8._tuned.early_config_prune
-    assert any(c.kwargs.get("PIPE") for c in nf8_prune(nf8._CONFIGS, dict(K=2560, N=3072)))
-    sl.use_tiles(pipelined=False)
+    assert piped(2560, 10240) == set() and fp8_piped(5376) == set()
+    assert not any(c.kwargs.get("PIPE") for c in nf8_prune(nf8._CONFIGS, dict(K=2560, N=3072)))
+    sl.use_tiles(pipelined=True)
     try:
-        assert piped(2560, 10240) == set() and fp8_piped(5376) == set()
-        assert not any(c.kwargs.get("PIPE") for c in nf8_prune(nf8._CONFIGS, dict(K=2560, N=3072)))
+        assert piped(2560, 10240) == {(512, 1), (1024, 1), (512, 2), (512, 4)}     # the e4b's MLP down: splits too
+        assert piped(3072, 2560) == {(512, 1), (1024, 1)}                           # q/k/v: K too short to split
+        assert piped(3072, 512) == set() and piped(3072, 2560, bm=16) == set()      # one tile; the tensor-core path
+        assert all(c.kwargs["PIPE"] == c.num_stages for c in sl._CONFIGS if c.kwargs["PIPE"])
+        assert {c.kwargs["PIPE"] > 0 for c in nl._keep(nl._CONFIGS, dict(K=2560, N=3072, BLOCK_M=1))} == {False, True}
+        assert fp8_piped(5376) == {512, 1024, 2048} and fp8_piped(1024) == {512}
+        assert any(c.kwargs.get("PIPE") for c in nf8_prune(nf8._CONFIGS, dict(K=2560, N=3072)))
     finally:
         sl.use_tiles()
