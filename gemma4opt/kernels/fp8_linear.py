@@ -73,11 +73,8 @@ def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS,
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if COMPILED and PIPE > 0:
-        for k0 in tl.range(lo, hi, BLOCK_K, num_stages=PIPE):
-            acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, SWAP)
-    elif COMPILED:
-        for k0 in range(lo, hi, BLOCK_K):
+    if COMPILED:
+        for k0 in tl.range(lo, hi, BLOCK_K, num_stages=PIPE if PIPE > 0 else None):
             acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, SWAP)
     else:           # the interpreter takes no runtime range() bound
         k0 = lo

@@ -51,7 +51,7 @@ def gate_up_gelu_triton(x: torch.Tensor, weight: torch.Tensor, launch: dict | No
         t = {**TILES, **(launch or {})}
         _gate_up_gelu_kernel[(rows, triton.cdiv(I, t["gu_n"]))](
             x2, weight, out, H, I, x2.stride(0), weight.stride(0), out.stride(0),
-            BLOCK_N=t["gu_n"], BLOCK_K=_block_k(H, t["gu_k"]), COMPILED=_COMPILED, PIPE=t.get("gu_pipe", 0),
+            BLOCK_N=t["gu_n"], BLOCK_K=_block_k(H, t["gu_k"]), COMPILED=_COMPILED, PIPE=t["gu_pipe"],
             num_warps=t["gu_warps"],
             **pdl_flags(x))
     return out.reshape(*x.shape[:-1], I)

@@ -45,11 +45,8 @@ def gate_up_sums(x, g_rows, u_rows, H, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl
     PIPE > 0: the loop's loads pipelined that many stages deep (kernels/skinny_linear.py's _ROW_PIPE)."""
     g = tl.zeros([BLOCK_N], tl.float32)
     u = tl.zeros([BLOCK_N], tl.float32)
-    if COMPILED and PIPE > 0:
-        for k0 in tl.range(0, H, BLOCK_K, num_stages=PIPE):
-            g, u = _gate_up_tile(g, u, x, g_rows, u_rows, k0, H, nmask, BLOCK_K)
-    elif COMPILED:
-        for k0 in range(0, H, BLOCK_K):
+    if COMPILED:
+        for k0 in tl.range(0, H, BLOCK_K, num_stages=PIPE if PIPE > 0 else None):
             g, u = _gate_up_tile(g, u, x, g_rows, u_rows, k0, H, nmask, BLOCK_K)
     else:           # the interpreter takes no runtime range() bound
         k0 = 0
@@ -115,11 +112,8 @@ def _down_kernel(ACT, IDX, WT, D, DS, OUT, H, I, sde, sdn,
     wmask = jmask[:, None, None] & nmask[None, :, None]
     dt = OUT.dtype.element_ty
     acc = tl.zeros([J, BLOCK_N], tl.float32)
-    if COMPILED and PIPE > 0:
-        for k0 in tl.range(0, I, BLOCK_K, num_stages=PIPE):
-            acc = _down_tile(acc, a_rows, w_rows, k0, I, jmask, wmask, BLOCK_K)
-    elif COMPILED:
-        for k0 in range(0, I, BLOCK_K):
+    if COMPILED:
+        for k0 in tl.range(0, I, BLOCK_K, num_stages=PIPE if PIPE > 0 else None):
             acc = _down_tile(acc, a_rows, w_rows, k0, I, jmask, wmask, BLOCK_K)
     else:
         k0 = 0
@@ -205,10 +199,10 @@ def moe_experts_triton(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     _gate_up_kernel[(T * k, triton.cdiv(I, t["gu_n"]))](
         x, idx, gate_up, gate_up_scale if fp8 else wt, act, H, I, x.stride(0), gate_up.stride(0), gate_up.stride(1),
         TOPK=k, BLOCK_N=t["gu_n"], BLOCK_K=_block_k(H, t["gu_k"]), COMPILED=_COMPILED, FP8=fp8,
-        PIPE=t.get("gu_pipe", 0), num_warps=t["gu_warps"], **pdl_flags(x))
+        PIPE=t["gu_pipe"], num_warps=t["gu_warps"], **pdl_flags(x))
     # Down: one program per H-block of a token (its k pairs summed in it), not per pair.
     _down_kernel[(T, triton.cdiv(H, t["dn_n"]))](
         act, idx, wt, down, down_scale if fp8 else wt, out, H, I, down.stride(0), down.stride(1),
         TOPK=k, J=triton.next_power_of_2(k), BLOCK_N=t["dn_n"], BLOCK_K=_block_k(I, t["dn_k"]), COMPILED=_COMPILED,
-        FP8=fp8, PIPE=t.get("dn_pipe", 0), num_warps=t["dn_warps"], **pdl_flags(x))
+        FP8=fp8, PIPE=t["dn_pipe"], num_warps=t["dn_warps"], **pdl_flags(x))
     return out

@@ -42,11 +42,8 @@ def _norm_fp8_linear_kernel(X, R, W1, SCALE, W2, S, W, WS, Y, N, K, swn, eps1, e
     nmask = n < N
     w_rows = W + n.to(tl.int64)[:, None] * swn
     acc = tl.zeros([BLOCK_N], tl.float32)
-    if COMPILED and PIPE > 0:
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=PIPE):
-            acc = _k_tile(acc, X, R, W1, W2, w_rows, k0, K, nmask, inv1, inv2, scale, xs, dt, BLOCK_K, HAS_SCALE)
-    elif COMPILED:
-        for k0 in range(0, K, BLOCK_K):
+    if COMPILED:
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=PIPE if PIPE > 0 else None):
             acc = _k_tile(acc, X, R, W1, W2, w_rows, k0, K, nmask, inv1, inv2, scale, xs, dt, BLOCK_K, HAS_SCALE)
     else:                   # the interpreter takes no runtime range() bound
         k0 = 0

@@ -102,12 +102,8 @@ def _norm_linear_kernel(X, R, W1, SCALE, W2, S, W, Y, P, M, N, K, swn, sym, eps1
         s, inv1, inv2, scale = _factors(X, R, W1, SCALE, S, cols, cmask, K, eps1, eps2, dt, NEXT, HAS_SCALE)
         lo, hi = k_range(K, SPLIT_K, BLOCK_K)
         acc = tl.zeros([BLOCK_N], tl.float32)
-        if COMPILED and PIPE > 0:
-            for k0 in tl.range(lo, hi, BLOCK_K, num_stages=PIPE):
-                acc = _k_tile(acc, X, R, W1, W2, w_rows, k0, hi, nmask, inv1, inv2, scale, dt, BLOCK_K, NEXT,
-                              HAS_SCALE)
-        elif COMPILED:
-            for k0 in range(lo, hi, BLOCK_K):
+        if COMPILED:
+            for k0 in tl.range(lo, hi, BLOCK_K, num_stages=PIPE if PIPE > 0 else None):
                 acc = _k_tile(acc, X, R, W1, W2, w_rows, k0, hi, nmask, inv1, inv2, scale, dt, BLOCK_K, NEXT,
                               HAS_SCALE)
         else:               # the interpreter takes no runtime range() bound

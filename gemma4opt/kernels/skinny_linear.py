@@ -140,12 +140,8 @@ def _skinny_kernel(X, U, W, Y, P, M, N, K, sxm, sum_, swn, sym,
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if COMPILED and PIPE > 0:
-        for k0 in tl.range(lo, hi, BLOCK_K, num_stages=PIPE):
-            acc = _k_tile(acc, X, U, w_rows, k0, hi, nmask, m, mmask, sxm, sum_, BLOCK_M, BLOCK_K, COMPILED, IEEE,
-                          SWAP, GELU)
-    elif COMPILED:
-        for k0 in range(lo, hi, BLOCK_K):
+    if COMPILED:     # num_stages None: Triton's own choice, the plain range() loop (the same code)
+        for k0 in tl.range(lo, hi, BLOCK_K, num_stages=PIPE if PIPE > 0 else None):
             acc = _k_tile(acc, X, U, w_rows, k0, hi, nmask, m, mmask, sxm, sum_, BLOCK_M, BLOCK_K, COMPILED, IEEE,
                           SWAP, GELU)
     else:           # the interpreter takes no runtime range() bound
