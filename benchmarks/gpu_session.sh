@@ -522,6 +522,19 @@ for s in $(for a in "$@"; do parts "$a"; done); do
         sed -i 's/fresh = kv_len - TOKENS/fresh = kv_len/' /tmp/mutant/gemma4opt/kernels/paged_decode.py &&
         (cd /tmp/mutant && PYTHONPATH=/tmp/mutant:$PYTHONPATH stage early-kv-mutant 60 $PYTEST \
               tests/gpu/test_gpu_decode_kernel.py -k appended) ;;
+    # Every kernel test of the defaults not yet run on this GPU kind, 8 at a time (norm_linear, the one-row split
+    # GEMM, rope_cos_sin's bits, the pipelined loops; 330 s), then the paged generate tests that compare tokens
+    # with eager, rope_cos_sin in them (FlashInfer's JIT included: 260 s).
+    verify)
+      stage verify-kernels 330 $PYTEST -n 8 tests/gpu/test_gpu_norm_linear.py tests/kernels/test_norm_linear_kernel.py \
+            tests/kernels/test_norm_fp8_linear_kernel.py tests/gpu/test_gpu_linear.py tests/kernels/test_skinny_linear_kernel.py \
+            tests/gpu/test_gpu_rope.py tests/gpu/test_gpu_pipelined.py
+      MAX_JOBS=16 stage verify-paged 260 $PYTEST -s tests/gpu/test_gpu_paged.py -k "rope or paged_generate_equals_eager or \
+            do_not_sync or bucket_graphs" ;;
+    # The e4b at batch 1 against both HF baselines, rope_cos_sin on and off (560 s).
+    e4b-baselines)
+      stage e4b-baselines 560 $GEN e4b --batch 1 --systems eager static_compile gemma4opt gemma4opt-no-rope \
+            --json "$OUT/generate.jsonl" ;;
     pending-e4b)
       stage pending-e4b 560 $GEN e4b --batch 1 --systems eager gemma4opt-no-norm-linear gemma4opt gemma4opt-no-rope \
             gemma4opt-no-row-split gemma4opt-fp8-head-no-norm-linear gemma4opt-fp8-head gemma4opt-norm-linear-forced \
