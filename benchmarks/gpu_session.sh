@@ -535,6 +535,11 @@ for s in $(for a in "$@"; do parts "$a"; done); do
     e4b-baselines)
       stage e4b-baselines 560 $GEN e4b --batch 1 --systems eager static_compile gemma4opt gemma4opt-no-rope \
             --json "$OUT/generate.jsonl" ;;
+    # The e2b at batch 1 against both HF baselines (250 s), then the 31b case of the paged generate tests against
+    # eager (rope_cos_sin at head_dim 512 among them; 90 s with FlashInfer's kernels carried in .ficache).
+    e2b-and-31b-paged)
+      stage e2b-baselines 250 $GEN e2b --batch 1 --systems eager static_compile gemma4opt --json "$OUT/generate.jsonl"
+      MAX_JOBS=16 stage paged-31b 90 $PYTEST -s tests/gpu/test_gpu_paged.py -k "paged_generate_equals_eager and 31b" ;;
     pending-e4b)
       stage pending-e4b 560 $GEN e4b --batch 1 --systems eager gemma4opt-no-norm-linear gemma4opt gemma4opt-no-rope \
             gemma4opt-no-row-split gemma4opt-fp8-head-no-norm-linear gemma4opt-fp8-head gemma4opt-norm-linear-forced \
