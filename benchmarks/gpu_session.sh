@@ -26,6 +26,9 @@
 #              decode kernels (limit 560 s; the process's first Inductor compile took 135 s fresh).
 #   tests-paged  tests/gpu/test_gpu_paged.py's FlashInfer numerics and fast replan (head_dim 256, 512
 #              and 64: each new configuration JIT-compiles, ~100 s for head_dim 64 fresh; limit 560 s).
+#   verify     the kernel tests of defaults first run on an H100 (norm_linear, split K at one row, rope_cos_sin,
+#              the pipelined loops; 8 workers), then paged generate against eager; e4b-baselines, refresh-e2b / -e4b /
+#              -26b: one preset at batch 1 against eager and HF static + compile. Carry .ficache (see below).
 #   tests-paged-generate  the rest of it: paged generate == eager below, at and past the window,
 #              sync-free decode, bucket graphs with a full pool, the fp32 refusal (limit 560 s).
 #   features   HF generate features on the one-liner, in CUDA graphs (tests/gpu/test_gpu_features.py:
@@ -540,6 +543,13 @@ for s in $(for a in "$@"; do parts "$a"; done); do
     e2b-and-31b-paged)
       stage e2b-baselines 250 $GEN e2b --batch 1 --systems eager static_compile gemma4opt --json "$OUT/generate.jsonl"
       MAX_JOBS=16 stage paged-31b 90 $PYTEST -s tests/gpu/test_gpu_paged.py -k "paged_generate_equals_eager and 31b" ;;
+    # The small presets at batch 1 against both HF baselines on this checkout, one preset a stage (a call each,
+    # carrying .ficache: ~250 s for the e2b, ~300 s for the e4b and the 26b-a4b on an H100).
+    refresh-e2b) stage refresh-e2b 300 $GEN e2b --batch 1 --systems eager static_compile gemma4opt --json "$OUT/generate.jsonl" ;;
+    refresh-e4b) stage refresh-e4b 400 $GEN e4b --batch 1 --systems eager static_compile gemma4opt gemma4opt-fp8-head \
+                   --json "$OUT/generate.jsonl" ;;
+    refresh-26b) stage refresh-26b 450 $GEN 26b-a4b --batch 1 --systems eager static_compile gemma4opt gemma4opt-fp8-head \
+                   --json "$OUT/generate.jsonl" ;;
     pending-e4b)
       stage pending-e4b 560 $GEN e4b --batch 1 --systems eager gemma4opt-no-norm-linear gemma4opt gemma4opt-no-rope \
             gemma4opt-no-row-split gemma4opt-fp8-head-no-norm-linear gemma4opt-fp8-head gemma4opt-norm-linear-forced \
