@@ -27,7 +27,7 @@
 #   tests-paged  tests/gpu/test_gpu_paged.py's FlashInfer numerics and fast replan (head_dim 256, 512
 #              and 64: each new configuration JIT-compiles, ~100 s for head_dim 64 fresh; limit 560 s).
 #   verify     the kernel tests of defaults first run on an H100 (norm_linear, split K at one row, rope_cos_sin,
-#              the pipelined loops; 8 workers), then paged generate against eager; e4b-baselines, refresh-e2b / -e4b /
+#              the pipelined loops; 8 workers), then paged generate against eager; refresh-e2b / -e4b /
 #              -26b: one preset at batch 1 against eager and HF static + compile. Carry .ficache (see below).
 #   tests-paged-generate  the rest of it: paged generate == eager below, at and past the window,
 #              sync-free decode, bucket graphs with a full pool, the fp32 refusal (limit 560 s).
@@ -535,10 +535,6 @@ for s in $(for a in "$@"; do parts "$a"; done); do
             tests/gpu/test_gpu_rope.py tests/gpu/test_gpu_pipelined.py
       MAX_JOBS=16 stage verify-paged 260 $PYTEST -s tests/gpu/test_gpu_paged.py -k "rope or paged_generate_equals_eager or \
             do_not_sync or bucket_graphs" ;;
-    # The e4b at batch 1 against both HF baselines, rope_cos_sin on and off (560 s).
-    e4b-baselines)
-      stage e4b-baselines 560 $GEN e4b --batch 1 --systems eager static_compile gemma4opt gemma4opt-no-rope \
-            --json "$OUT/generate.jsonl" ;;
     # The 31b case of the paged generate tests against eager (rope_cos_sin at head_dim 512 among them; 90 s with
     # FlashInfer's kernels carried in .ficache).
     paged-31b)
