@@ -109,3 +109,37 @@ def build_model(name: str = "tiny", layers: int | None = None, dtype=torch.float
     finally:
         torch.set_default_dtype(prev)
     return randomize_(model.eval(), seed)
+
+
+def finegrained_fp8_(model: torch.nn.Module, block_size=(128, 128), skip=("lm_head",)) -> torch.nn.Module:
+    """The model, in place, as transformers leaves one loaded with ``FineGrainedFP8Config(weight_block_size=
+    block_size)`` (no fp8 checkpoint can be downloaded here): transformers' own replace_with_fp8_linear
+    swaps every nn.Linear but those ``skip`` names (and the MoE experts modules unless skipped) and its
+    own Fp8Quantize makes each weight's e4m3 bytes and tile scales from the model's weights; a weight
+    whose shape is not a multiple of the block stays unquantized, as transformers leaves it."""
+    import types
+
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize, replace_with_fp8_linear
+
+    cfg = FineGrainedFP8Config(weight_block_size=tuple(block_size))
+    weights = {k: v.detach() for k, v in model.state_dict().items()}
+    device = next(model.parameters()).device
+    replace_with_fp8_linear(model, modules_to_not_convert=list(skip), quantization_config=cfg)  # on "meta"
+    quantize = Fp8Quantize(types.SimpleNamespace(quantization_config=cfg))
+    for path, module in model.named_modules():
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            for name, _ in list(module.named_parameters(recurse=False)):
+                if name.endswith("_scale_inv"):
+                    continue
+                key = f"{path}.{name}"
+                out = quantize.convert({key: weights[key]})
+                scale_key = key[:-len(".weight")] + ".weight_scale_inv" if key.endswith(".weight") else key + "_scale_inv"
+                setattr(module, name, torch.nn.Parameter(out[key].to(device), requires_grad=False))
+                if scale_key in out:
+                    setattr(module, scale_key.rsplit(".", 1)[1], torch.nn.Parameter(out[scale_key].to(device),
+                                                                                    requires_grad=False))
+                else:       # left unquantized: its scales are never read
+                    setattr(module, scale_key.rsplit(".", 1)[1], None)
+    model.config.quantization_config = cfg
+    return model

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from gemma4opt.api import get_state
 from gemma4opt.ops import rope_cos_sin
+from gemma4opt.ops.fp8_checkpoint import HF_FP8_LINEAR, adopted, hf_fp8_experts
 from gemma4opt.ops.fp8_weights import foreign_projections, fp8_experts, fp8_linears, fp8_lm_head
 from gemma4opt.ops.state import OpState
 from gemma4opt.patterns.paged_qkv import ATTENTION_OPS
@@ -164,13 +165,34 @@ def _kv_cache_line(ctx) -> str:
 
 
 def _weights(model, state, device: str) -> str:
-    foreign = foreign_projections(model)
+    foreign = foreign_projections(model, adopted=False)
     # A quantized checkpoint's modules (transformers' FP8Linear, bitsandbytes, ...): said first.
     text = (f"{len(foreign)} projections are a quantized checkpoint's own modules ({foreign[0]}, ...): they run "
             "their own forward, unmerged (the fusions around them apply; merged_projections lists them)"
             if foreign else "")
     fp8 = _fp8_weights(model, state, device)
-    return "; ".join(t for t in (text, fp8) if t)
+    return "; ".join(t for t in (_checkpoint_fp8(model, state), text, fp8) if t)
+
+
+def _checkpoint_fp8(model, state) -> str:
+    """A FineGrainedFP8 checkpoint's FP8Linear modules: how many gemma4opt's GEMM runs, which it
+    does not and why; its FP8Experts."""
+    counts = state.checkpoint_fp8
+    parts = []
+    if counts.get(HF_FP8_LINEAR):
+        blocks = sorted({tuple(int(b) for b in m.block_size) for m in model.modules() if adopted(m)})
+        tiles = ", ".join(f"{n} x {k}" for n, k in blocks)
+        parts.append(f"{counts[HF_FP8_LINEAR]} linears are transformers' FP8Linear (a FineGrainedFP8 checkpoint: "
+                     f"e4m3 weights, one fp32 scale per {tiles} tile): run by gemma4opt's block-scaled fp8 GEMM "
+                     f"(fp8_block_linear), each input quantized per token and {'/'.join(str(k) for _, k in blocks)}"
+                     "-long group inside it, unmerged")
+    parts += [f"{v} FP8Linear run their own forward: {k.split(', ', 1)[1]}" for k, v in counts.items()
+              if k.startswith(HF_FP8_LINEAR + " kept")]
+    experts = hf_fp8_experts(model)
+    if experts:
+        parts.append(f"{len(experts)} MoE experts blocks are transformers' FP8Experts ({experts[0]}, ...): their own "
+                     "forward (gemma4opt has no block-scaled experts kernel; theirs loads from the `kernels` hub)")
+    return "; ".join(parts)
 
 
 def _fp8_weights(model, state, device: str) -> str:

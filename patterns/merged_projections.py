@@ -29,6 +29,7 @@ import torch.fx as fx
 
 from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
 from gemma4opt.compiler.regions import innermost, op_name, place, regions_of_type, resolve_module
+from gemma4opt.ops.fp8_checkpoint import adopted
 from gemma4opt.ops.fp8_weights import Fp8Linear, foreign_linear
 
 MERGED_ATTR = "_gemma4opt_merged_weight"
@@ -155,9 +156,11 @@ class MergedProjectionsPattern(Pattern):
                 if merged is None:
                     foreign = [n for n in owned if foreign_linear(getattr(module, n))]
                     if foreign:
-                        kind = type(getattr(module, foreign[0])).__name__
+                        lin = getattr(module, foreign[0])
+                        how = ("run by gemma4opt::fp8_block_linear, not merged" if adopted(lin)
+                               else "left to its own forward")
                         res.unfused.append(f"{region.path}: {', '.join(foreign)} {'is a' if len(foreign) == 1 else 'are'} "
-                                           f"{kind} (not an nn.Linear): left to its own forward")
+                                           f"{type(lin).__name__} (not an nn.Linear): {how}")
                     elif len(owned) >= 2:
                         res.unfused.append(f"{region.path}: projections have a bias or were not merged")
                     continue

@@ -2,6 +2,7 @@
 from gemma4opt.ops import (  # noqa: F401
     add_rms_norm,
     add_rms_norm_quant,
+    fp8_block_linear,
     fp8_linear,
     gate_up_gelu,
     gelu_linear,

@@ -180,6 +180,10 @@ def fp8_lm_head(model: torch.nn.Module) -> bool:
 
 
 def _unsupported(lin) -> str | None:
+    from gemma4opt.ops.fp8_checkpoint import is_hf_fp8_linear
+
+    if is_hf_fp8_linear(lin):
+        return "transformers' FP8Linear (the checkpoint's own fp8)"
     if type(lin) is not torch.nn.Linear:
         return f"{type(lin).__name__} is not an nn.Linear"
     if lin.bias is not None:
@@ -195,11 +199,14 @@ def foreign_linear(lin) -> bool:
     return lin is not None and type(lin) is not torch.nn.Linear and not isinstance(lin, Fp8Linear)
 
 
-def foreign_projections(root: torch.nn.Module) -> list[str]:
-    """``path (type)`` of every attention / dense-MLP projection under root that is a foreign_linear."""
+def foreign_projections(root: torch.nn.Module, adopted: bool = True) -> list[str]:
+    """``path (type)`` of every attention / dense-MLP projection under root that is a foreign_linear;
+    ``adopted=False``: but those whose forward is gemma4opt's (ops/fp8_checkpoint.py)."""
+    from gemma4opt.ops.fp8_checkpoint import adopted as runs_ours
+
     return [f"{path}.{name} ({type(lin).__name__})" for path, module in root.named_modules()
             for name in QUANTIZED_BLOCKS.get(type(module).__name__, ())
-            if foreign_linear(lin := getattr(module, name, None))]
+            if foreign_linear(lin := getattr(module, name, None)) and (adopted or not runs_ours(lin))]
 
 
 def fp8_linears(root: torch.nn.Module) -> list[Fp8Linear]:

@@ -24,8 +24,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from benchmarks.sass_decode_attention import compile_split_kernel  # noqa: E402
-from gemma4opt.kernels import (add_rms_norm, fp8_linear, moe_experts, norm_fp8_linear, norm_linear,  # noqa: E402
-                               rope_cos_sin, skinny_linear)
+from gemma4opt.kernels import (add_rms_norm, fp8_block_linear, fp8_linear, moe_experts, norm_fp8_linear,  # noqa: E402
+                               norm_linear, rope_cos_sin, skinny_linear)
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -99,6 +99,14 @@ def _variants():
                    dict(ACT=BF16, IDX="*i64", WT="*fp32", D=wdt, DS="*fp32", OUT=BF16, H="i32", I="i32", sde="i32",
                         sdn="i32"),
                    dict(TOPK=8, J=8, BLOCK_N=dn_n, BLOCK_K=256, COMPILED=True, FP8=fp8, PDL=True, PIPE=pipe), dn_w)
+    # FineGrainedFP8 linears: every autotuned tile (128 x 128 blocks), bf16 activations quantized in the kernel.
+    fb = dict(X=BF16, W="*fp8e4nv", WS="*fp32", Y=BF16, P="*fp32", M="i32", N="i32", K="i32", sxm="i32", swn="i32",
+              swsn="i32", sym="i32", ROWS="i32")
+    for c in fp8_block_linear._configs():
+        kw = c.kwargs
+        yield (f"fp8_block_linear {kw['BLOCK_M']}x{kw['BLOCK_N']}/{kw['SPLIT_K']} swap={kw['SWAP']} "
+               f"w{c.num_warps} s{c.num_stages}", fp8_block_linear._fp8_block_linear_kernel, fb,
+               dict(kw, BN_W=128, BLOCK_K=128, COMPILED=True, PDL=True), c.num_warps, c.num_stages)
 
 
 def _ptxas(ptx: str) -> dict:
@@ -111,7 +119,7 @@ def _ptxas(ptx: str) -> dict:
     return dict(regs=int(regs[0]) if regs else None, spill_bytes=int(spills[0]) if spills else None)
 
 
-def _compile(fn, types: dict, constexprs: dict, warps: int):
+def _compile(fn, types: dict, constexprs: dict, warps: int, stages: int = 3):
     names = fn.arg_names
     defaults = {n: p.default for n, p in inspect.signature(fn.fn).parameters.items()
                 if p.default is not inspect.Parameter.empty}
@@ -122,16 +130,16 @@ def _compile(fn, types: dict, constexprs: dict, warps: int):
     src = ASTSource(fn=fn, signature={n: types[n] for n in names if n not in constexprs},
                     constexprs={(names.index(n),): v for n, v in constexprs.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
-    return triton.compile(src, target=TARGET, options=dict(num_warps=warps))
+    return triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=stages))
 
 
 _DIVISIBLE_INTS = ("N", "K", "swn", "sym", "sx", "sr", "ss", "sn", "D", "sxm", "sum_", "H", "I", "sxt", "sge", "sgn",
-                   "sde", "sdn")
+                   "sde", "sdn", "swsn")
 
 
 def _rows():
-    for name, fn, types, constexprs, warps in _variants():
-        yield name, lambda: _compile(fn, types, constexprs, warps)
+    for name, fn, types, constexprs, warps, *stages in _variants():
+        yield name, lambda: _compile(fn, types, constexprs, warps, *stages)
     for early in (False, True):          # the e4b's geometry (head_dim 256, 4 query heads a KV head), as launched
         for fp8 in (False, True):
             yield (f"decode attention split early={early} fp8={fp8}",
@@ -142,7 +150,8 @@ def main() -> None:
     for name, build in _rows():
         try:
             ptx = build().asm["ptx"]
-            row = dict(name=name, ok=True, cp_async=ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), **_ptxas(ptx))
+            row = dict(name=name, ok=True, cp_async=ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+                       fp8_wgmma=len(re.findall(r"wgmma\.mma_async\.\S*e4m3\.e4m3", ptx)), **_ptxas(ptx))
         except Exception as e:  # noqa: BLE001 - reported, the test fails on it
             row = dict(name=name, ok=False, error=f"{type(e).__name__}: {str(e)[:500]}")
         print(json.dumps(row), flush=True)

@@ -1,0 +1,162 @@
+"""Triton block-scaled FP8 GEMM: transformers' FineGrainedFP8 linears (ops/fp8_block.py's semantics)
+with the activations' quantization inside the GEMM.
+
+x [M, K] comes in its own dtype. Each K tile is one activation group (BLOCK_K == the checkpoint's
+block_k), so the program that loads a tile of x has the whole group: it takes each row's amax over
+it, quantizes the tile to e4m3 in registers (as kernels/fp8_quant.py rounds), multiplies it with
+the weight's e4m3 tile (Hopper's fp8 warpgroup MMA, each instruction's partial promoted to fp32)
+and adds the product times the row's group scale and each output row's tile scale
+(``weight_scale_inv[n // block_n, k // block_k]``) to an fp32 accumulator. No separate quant kernel
+and no fp8 copy of x: at decode x is a few kB that every program reads anyway; in a prefill the
+re-quantization per N tile is 1 / BLOCK_N of the MMA's work.
+
+Row classes: 1-16 rows (padded to 16) and 17-32 take W's rows as the dot's M side (SWAP, as
+kernels/fp8_linear.py), optionally split along K in whole groups (fp32 partials summed in split
+order by skinny_linear's split-sum kernel); more rows take 64-128-row tiles of x. The tile is
+autotuned per (N, K, block_n, row class) on the first call.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gemma4opt.kernels._util import COMPILED as _COMPILED, pdl_flags, pdl_prologue, rows_view
+from gemma4opt.kernels.fp8_quant import fp8_quantize, fp8_row_scale
+from gemma4opt.kernels.skinny_linear import _sum_splits, bench_short, k_range
+
+MAX_SPLIT = 4
+BLOCK_KS = (32, 64, 128, 256)       # the checkpoint block_k values the kernel takes (one K tile each)
+
+
+@triton.jit
+def _group_tile(acc, X, w_rows, s_rows, k0, K, nmask, m, mmask, sxm,
+                BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr):
+    """acc += (quantized x group [m, k0:k0+BLOCK_K]) @ W_q[rows, group]^T * both scales (SWAP: transposed)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    kmask = k < K
+    x = tl.load(X + m[:, None] * sxm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+    xs = fp8_row_scale(tl.max(tl.abs(x), axis=1))              # [BLOCK_M]: masked lanes are 0
+    xq = fp8_quantize(x, xs[:, None])
+    w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+    ws = tl.load(s_rows + k0 // BLOCK_K, mask=nmask, other=0.0)     # [BLOCK_N]
+    if not COMPILED:        # the interpreter's dot takes fp32 (e4m3 values are exact in it)
+        xq, w = xq.to(tl.float32), w.to(tl.float32)
+    # max_num_imprecise_acc=32: kernels/fp8_linear.py's _k_tile says why (a K = 32 wgmma's partial
+    # goes to fp32 at once).
+    if SWAP:
+        acc += tl.dot(w, tl.trans(xq), max_num_imprecise_acc=32) * ws[:, None] * xs[None, :]
+    else:
+        acc += tl.dot(xq, tl.trans(w), max_num_imprecise_acc=32) * xs[:, None] * ws[None, :]
+    return acc
+
+
+@triton.jit
+def _fp8_block_linear_kernel(X, W, WS, Y, P, M, N, K, sxm, swn, swsn, sym, ROWS, BN_W: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr = False,
+                             PDL: tl.constexpr = False):
+    # ROWS (the row class) is not read: it keys the autotuner's choice. BN_W: the checkpoint's block_n.
+    pdl_prologue(PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    w_rows = W + n.to(tl.int64)[:, None] * swn
+    s_rows = WS + (n // BN_W) * swsn
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = m < M
+    lo, hi = k_range(K, SPLIT_K, BLOCK_K)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if COMPILED:
+        for k0 in range(lo, hi, BLOCK_K):
+            acc = _group_tile(acc, X, w_rows, s_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_K, COMPILED, SWAP)
+    else:           # the interpreter takes no runtime range() bound
+        k0 = lo
+        while k0 < hi:
+            acc = _group_tile(acc, X, w_rows, s_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_K, COMPILED, SWAP)
+            k0 += BLOCK_K
+    if SWAP:
+        mo, no = m[None, :], n[:, None]
+    else:
+        mo, no = m[:, None], n[None, :]
+    omask = (mo < M) & (no < N)
+    if SPLIT_K == 1:
+        tl.store(Y + mo * sym + no, acc.to(Y.dtype.element_ty), mask=omask)
+    else:           # the scaled fp32 partial of split sk: P[sk, m, n], contiguous [SPLIT_K, M, N]
+        tl.store(P + (tl.program_id(1) * M + mo).to(tl.int64) * N + no, acc, mask=omask)
+
+
+# Decode (BLOCK_N, warps, splits, stages), each at BLOCK_M 16 and 32; prefill (BLOCK_M, BLOCK_N, warps,
+# stages). BLOCK_K is the checkpoint's block_k. Not yet swept on a GPU: the decode tiles follow
+# kernels/fp8_linear.py's dot tiles (W rows as the MMA's M side, 64-128 a program, K unsplit or in 2
+# or 4); the prefill tiles are those that compile for sm_90 at 128 x 128 blocks without spilling
+# registers (the quantized x tile lives in them: 128 x 128 rows spill 44-1552 bytes).
+_DECODE = [(64, 4, 1, 3), (64, 4, 1, 4), (128, 8, 1, 4), (64, 4, 2, 3), (64, 4, 4, 3), (128, 4, 2, 4)]
+_PREFILL = [(64, 128, 4, 3), (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4, 4), (128, 64, 8, 3)]
+
+
+def _configs():
+    out = [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=sk, SWAP=True), num_warps=w, num_stages=st)
+           for bm in (16, 32) for bn, w, sk, st in _DECODE]
+    out += [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, SWAP=False), num_warps=w, num_stages=st)
+            for bm, bn, w, st in _PREFILL]
+    return out
+
+
+def _keep(configs, named_args, **kwargs):
+    rows = named_args["ROWS"]
+    want = (16,) if rows <= 16 else (32,) if rows <= 32 else (64, 128)
+    return [c for c in configs if c.kwargs["BLOCK_M"] in want]
+
+
+_tuned = triton.autotune(configs=_configs(), key=["N", "K", "ROWS", "BN_W", "BLOCK_K"], do_bench=bench_short,
+                         post_hook=_sum_splits, prune_configs_by={"early_config_prune": _keep})(_fp8_block_linear_kernel)
+
+
+def row_class(M: int) -> int:
+    return 16 if M <= 16 else 32 if M <= 32 else 64
+
+
+def fp8_block_linear_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, block_n: int,
+                            block_k: int, config: dict | None = None) -> torch.Tensor:
+    """x [..., K] (bf16, fp16 or fp32), w_fp8 [N, K] e4m3 (unit stride along K) with its fp32 tile
+    scales [ceil(N / block_n), ceil(K / block_k)] -> [..., N] in x's dtype. ``config`` runs one tile
+    instead of the autotuned one: BLOCK_M, BLOCK_N, and optionally SPLIT_K, SWAP, num_warps, num_stages."""
+    x2 = rows_view(x)
+    M, K = x2.shape
+    N = w_fp8.shape[0]
+    if block_k not in BLOCK_KS:
+        raise ValueError(f"gemma4opt fp8_block_linear: block_k={block_k}; the kernel takes {BLOCK_KS}")
+    if w_fp8.shape[1] != K or w_fp8.stride(1) != 1:
+        raise ValueError(f"gemma4opt fp8_block_linear: weight {tuple(w_fp8.shape)} (stride {w_fp8.stride()}) "
+                         f"does not match x [..., {K}] with unit stride along K")
+    grid_s = (triton.cdiv(N, block_n), triton.cdiv(K, block_k))
+    if tuple(w_scale_inv.shape) != grid_s or w_scale_inv.dtype != torch.float32:
+        raise ValueError(f"gemma4opt fp8_block_linear: weight_scale_inv {tuple(w_scale_inv.shape)} "
+                         f"{w_scale_inv.dtype} for a [{N}, {K}] weight in ({block_n}, {block_k}) blocks: "
+                         f"want {grid_s} float32")
+    ws = w_scale_inv.contiguous()
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M and N:
+        part = torch.empty(MAX_SPLIT * M * N if M <= 32 else 0, dtype=torch.float32, device=x.device)
+        args = (x2, w_fp8, ws, y, part, M, N, K, x2.stride(0), w_fp8.stride(0), ws.stride(0), y.stride(0),
+                row_class(M))
+        flags = dict(BN_W=block_n, BLOCK_K=block_k, COMPILED=_COMPILED, **pdl_flags(y))
+        if config is None and not _COMPILED:        # the interpreter runs one tile per row class
+            config = dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=2, SWAP=True) if M <= 16 else dict(BLOCK_M=64, BLOCK_N=16)
+        if config is None:
+            _tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], triton.cdiv(M, meta["BLOCK_M"]))](
+                *args, **flags)
+            split = _tuned.best_config.kwargs["SPLIT_K"]
+        else:
+            meta = {**dict(SPLIT_K=1, SWAP=False, num_warps=4, num_stages=3), **config}
+            if meta["SPLIT_K"] > MAX_SPLIT or (meta["SPLIT_K"] > 1 and (M > 32 or meta["BLOCK_M"] < M)):
+                raise ValueError(f"gemma4opt fp8_block_linear: config {config} (at most {MAX_SPLIT} splits, "
+                                 "and only with one program's rows: up to 32)")
+            grid = (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], triton.cdiv(M, meta["BLOCK_M"]))
+            _fp8_block_linear_kernel[grid](*args, **meta, **flags)
+            split = meta["SPLIT_K"]
+        _sum_splits(dict(P=part, Y=y, M=M, N=N, SPLIT_K=split))
+    return y.view(*x.shape[:-1], N)
