@@ -51,3 +51,13 @@ def test_row_sum_loads_are_pipelined_only_where_the_loop_asks(rows):
     assert len(plain) == len(piped) >= 8
     assert all(r["cp_async"] == 0 for r in plain), [(r["name"], r["cp_async"]) for r in plain]
     assert all(r["cp_async"] > 0 for r in piped), [(r["name"], r["cp_async"]) for r in piped]
+
+
+def test_block_scaled_fp8_gemm_multiplies_e4m3_on_the_tensor_cores(rows):
+    """Every autotuned tile of the FineGrainedFP8 GEMM, its x tile quantized in registers: the dot is
+    an e4m3 wgmma (not an upcast), 4 instructions (K = 32 each) per 128-long group at least."""
+    from gemma4opt.kernels.fp8_block_linear import _configs
+
+    block = [r for r in rows if r["name"].startswith("fp8_block_linear")]
+    assert len(block) == len(_configs())
+    assert all(r["ok"] and r["fp8_wgmma"] >= 4 for r in block), [(r["name"], r.get("fp8_wgmma")) for r in block]

@@ -1,0 +1,175 @@
+"""A model loaded through transformers' FineGrainedFP8 quantization (built here by transformers' own
+replace_with_fp8_linear and Fp8Quantize: no checkpoint can be downloaded): its FP8Linear projections
+run gemma4opt::fp8_block_linear, and generate's tokens and the logits equal the FP8 reference path
+(the same modules, unoptimized, each forward the op's reference: the semantics of transformers'
+kernel, which loads from the `kernels` hub and cannot run here). The modules stay transformers'
+(type, parameters, state_dict); only their forward, an instance attribute, is gemma4opt's, and
+optimize() takes it back with everything else."""
+import copy
+import types
+
+import pytest
+import torch
+
+import gemma4opt
+import gemma4opt.api as api
+from gemma4opt import Gemma4OptConfig
+from gemma4opt.ops.fp8 import FP8_DTYPE
+from gemma4opt.ops.fp8_block import fp8_block_linear_reference
+from gemma4opt.edits import InstanceEdits
+from gemma4opt.ops.fp8_checkpoint import adopt_fp8_linears, adopted, is_hf_fp8_linear, unsupported
+from gemma4opt.presets import finegrained_fp8_
+from tests.models import VARIANTS, greedy, prompt, tiny
+
+PAGED = dict(attention="paged", page_size=4, max_seq_len=96, max_batch_size=4)
+
+
+def _checkpoint(variant="tiny", block=(32, 32)):
+    # transformers' FP8Experts (tiny-moe) need the kernels hub in their own forward: kept in fp32 here
+    return finegrained_fp8_(tiny(variant), block, skip=("lm_head", "experts"))
+
+
+def _ref_forward(self, x):
+    return fp8_block_linear_reference(x, self.weight, self.weight_scale_inv, *self.block_size)
+
+
+def _op_forward(self, x):
+    return torch.ops.gemma4opt.fp8_block_linear(x, self.weight, self.weight_scale_inv, *self.block_size)
+
+
+def _reference(model, forward=_ref_forward):
+    ref = copy.deepcopy(model)
+    for m in ref.modules():
+        if is_hf_fp8_linear(m) and m.weight.dtype == FP8_DTYPE:
+            m.forward = types.MethodType(forward, m)
+    return ref
+
+
+def _fp8_linears(model):
+    return [m for m in model.modules() if is_hf_fp8_linear(m) and m.weight.dtype == FP8_DTYPE]
+
+
+@pytest.mark.parametrize("variant,attention", [(v, "paged") for v in VARIANTS] + [("tiny", "hf")])
+def test_tokens_and_logits_equal_the_fp8_reference_path(variant, attention):
+    model = _checkpoint(variant)
+    ref = _reference(model)
+    ids = prompt(2, 11)
+    want = greedy(ref, ids)
+    before = {k: (v.dtype, v.clone()) for k, v in model.state_dict().items()}
+    cfg = Gemma4OptConfig(**PAGED) if attention == "paged" else Gemma4OptConfig(attention=attention)
+    gemma4opt.optimize(model, cfg)
+    assert torch.equal(greedy(model, ids), want)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    lins = _fp8_linears(model)
+    assert lins and all(adopted(m) and type(m).__name__ == "FP8Linear" for m in lins)
+    # every graph gemma4opt rewrote (prefill, decode) calls the op, once per fp8 projection it runs
+    counts = model._gemma4opt.pass_manager.op_counts
+    assert counts and all(c["gemma4opt.fp8_block_linear"] >= 4 * model.config.num_hidden_layers - 8 for c in counts)
+    after = model.state_dict()          # the checkpoint's tensors: same names, dtypes and values
+    assert after.keys() == before.keys()
+    assert all(after[k].dtype == d and torch.equal(after[k].view(torch.uint8) if d == FP8_DTYPE else after[k],
+                                                   v.view(torch.uint8) if d == FP8_DTYPE else v)
+               for k, (d, v) in before.items())
+
+
+def test_report_says_what_runs_which_forward():
+    model = _checkpoint("tiny-ple-shared")
+    gemma4opt.optimize(model, Gemma4OptConfig(**PAGED))
+    with torch.no_grad():
+        model(prompt(1, 7))
+    rep = gemma4opt.report(model, print_table=False)
+    n = len([m for m in _fp8_linears(model) if adopted(m)])
+    assert f"{n} linears are transformers' FP8Linear" in rep.weights and "32 x 32 tile" in rep.weights
+    assert "32-long group" in rep.weights
+    # the per-layer-input projections' 8-wide weights are no multiple of the block: left in fp32 by
+    # transformers, their own forward (F.linear) runs
+    assert "FP8Linear run their own forward: the checkpoint left its weight in float32" in rep.weights
+    assert "quantized checkpoint's own modules" not in rep.weights
+    row = rep.row("merged_projections")
+    assert any("run by gemma4opt::fp8_block_linear, not merged" in u for u in row.unfused), row.unfused
+
+
+def test_fp8_experts_are_left_to_their_own_forward_and_reported():
+    model = finegrained_fp8_(tiny("tiny-moe"), (32, 32))        # the experts converted too
+    gemma4opt.optimize(model, Gemma4OptConfig(**PAGED))
+    rep = gemma4opt.report(model, print_table=False)
+    assert "4 MoE experts blocks are transformers' FP8Experts (model.layers.0." in rep.weights, rep.weights
+    assert all(adopted(m) for m in _fp8_linears(model))
+
+
+def test_optimize_again_and_a_failed_optimize_leave_transformers_forward():
+    model = _checkpoint()
+    ids = prompt(1, 9)
+    want = greedy(_reference(model), ids)
+    gemma4opt.optimize(model, Gemma4OptConfig(**PAGED))
+    with pytest.warns(UserWarning, match="re-optimizing"):
+        gemma4opt.optimize(model, Gemma4OptConfig(attention="hf"))
+    assert all(adopted(m) for m in _fp8_linears(model))
+    assert torch.equal(greedy(model, ids), want)
+    model._gemma4opt.edits.revert()
+    assert all("forward" not in vars(m) for m in _fp8_linears(model))
+
+    fresh = _checkpoint()
+
+    def boom(*a, **k):
+        raise RuntimeError("injected failure")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(api, "MergedWeightWatch", boom)      # after the FP8Linear forwards were set
+        with pytest.raises(RuntimeError, match="injected"):
+            gemma4opt.optimize(fresh, Gemma4OptConfig(**PAGED))
+    assert all("forward" not in vars(m) for m in _fp8_linears(fresh)) and not hasattr(fresh, "_gemma4opt")
+
+
+def test_quantization_fp8_keeps_the_checkpoints_fp8_and_says_so():
+    model = _checkpoint()
+    ids = prompt(2, 9)
+    want = greedy(_reference(model), ids)
+    gemma4opt.optimize(model, Gemma4OptConfig(quantization="fp8", **PAGED))
+    assert torch.equal(greedy(model, ids), want)
+    assert all(adopted(m) for m in _fp8_linears(model))
+    rep = gemma4opt.report(model, print_table=False)
+    assert "not quantized, transformers' FP8Linear (the checkpoint's own fp8)" in rep.weights
+
+
+def test_loss_and_its_gradient_equal_the_reference_path():
+    """A training-style call (labels, grad enabled) on the optimized model: the loss and the
+    embedding's gradient of the unoptimized model whose FP8Linear forwards call the op (its backward:
+    the input's gradient through the dequantized weight, as transformers' FP8Linear)."""
+    model = _checkpoint()
+    ref = _reference(model, _op_forward)
+    ids = prompt(2, 9)
+    gemma4opt.optimize(model, Gemma4OptConfig(**PAGED))
+    losses, grads = [], []
+    for m in (ref, model):
+        m.zero_grad()
+        loss = m(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(m.get_input_embeddings().weight.grad.clone())
+    torch.testing.assert_close(losses[1], losses[0])
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+@pytest.mark.parametrize("edit,why", [
+    (lambda m: setattr(m, "activation_scheme", "static"), "activation_scheme='static'"),
+    (lambda m: setattr(m, "block_size", (32, 48)), "gemma4opt's kernel takes a block_k of 32, 64, 128, 256"),
+    (lambda m: setattr(m, "block_size", None), "one scale for the whole weight"),
+    (lambda m: setattr(m, "weight_scale_inv", torch.nn.Parameter(m.weight_scale_inv.to(torch.float8_e8m0fnu),
+                                                                   requires_grad=False)), "scale_fmt='ue8m0'"),
+    (lambda m: setattr(m, "weight_scale_inv", torch.nn.Parameter(m.weight_scale_inv[:1], requires_grad=False)),
+     "weight_scale_inv (1, 2) for a (64, 64) weight"),
+    (lambda m: setattr(m, "bias", torch.nn.Parameter(torch.zeros(64))), "a bias"),
+])
+def test_what_the_gemm_does_not_take_keeps_its_own_forward_with_the_reason(edit, why):
+    model = _checkpoint()
+    lin = model.model.layers[0].self_attn.q_proj
+    assert unsupported(lin) is None
+    edit(lin)
+    assert why in unsupported(lin)
+    counts = adopt_fp8_linears(model, InstanceEdits())
+    kept = [k for k in counts if k.startswith("FP8Linear kept")]
+    assert len(kept) == 1 and why in kept[0] and counts[kept[0]] == 1
+    assert not adopted(lin) and adopted(model.model.layers[0].self_attn.k_proj)

@@ -1,0 +1,118 @@
+"""The block-scaled FP8 GEMM (kernels/fp8_block_linear.py) against ops/fp8_block.py's reference.
+The kernel quantizes x's groups itself: the same fp32 division and e4m3 rounding as the reference,
+so the quantized bytes agree and the two differ only in fp32 sum order and where the scales are
+applied (per group tile against once per dequantized element). Under the interpreter the e4m3
+products are exact in fp32; compiled for sm_90 the fp8 MMA's partials are promoted per
+instruction (test_compiles_for_sm90.py checks the e4m3 wgmma; tests/gpu the numbers)."""
+import inspect
+
+import pytest
+import torch
+
+from gemma4opt.kernels import fp8_block_linear as k
+from gemma4opt.kernels.fp8_block_linear import fp8_block_linear_triton
+from gemma4opt.ops.fp8_block import fp8_block_linear_reference, quantize_blocks_reference
+from tests.kernels.conftest import DEVICE, DTYPES, close
+
+
+def _operands(rows, n, k_, block_n, block_k, dtype=torch.float32, seed=0, lead=()):
+    g = torch.Generator().manual_seed(seed + rows * 1000 + n + k_)
+    x = torch.randn(*lead, rows, k_, generator=g) * torch.rand(*lead, rows, 1, generator=g) * 4
+    # columns of very different sizes: each group's scale differs from the row's
+    x = x * torch.linspace(0.05, 3, k_)
+    w = torch.randn(n, k_, generator=g) / k_ ** 0.5 * torch.linspace(0.2, 2, n)[:, None]
+    wq, ws = quantize_blocks_reference(w, block_n, block_k)
+    return x.to(dtype).to(DEVICE), wq.to(DEVICE), ws.to(DEVICE)
+
+
+def _check(got, x, wq, ws, bn, bk):
+    close(got, fp8_block_linear_reference(x.float(), wq, ws, bn, bk), x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,k_,bn,bk", [(1, 72, 100, 16, 32), (3, 40, 96, 32, 32), (16, 33, 130, 128, 128),
+                                              (17, 50, 70, 32, 64), (40, 24, 64, 24, 32), (70, 45, 200, 128, 64)])
+def test_matches_reference(dtype, rows, n, k_, bn, bk):
+    """Decode and prefill row counts, N and K not multiples of the tiles or blocks, block_n above,
+    equal to and below the kernel's BLOCK_N (and not a power of two: 24)."""
+    x, wq, ws = _operands(rows, n, k_, bn, bk, dtype)
+    got = fp8_block_linear_triton(x, wq, ws, bn, bk)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    _check(got, x, wq, ws, bn, bk)
+
+
+@pytest.mark.parametrize("config", [dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=1, SWAP=True),
+                                    dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=3, SWAP=True),
+                                    dict(BLOCK_M=32, BLOCK_N=16, SPLIT_K=4, SWAP=True),
+                                    dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=2, SWAP=False),
+                                    dict(BLOCK_M=16, BLOCK_N=16)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_explicit_tiles_transposed_or_split(config, rows):
+    """W rows as the dot's M side or x's rows; K split in whole groups (K = 100 is 4 groups of 32, the
+    last short; 3 splits leave one empty), summed in split order by the split-sum kernel."""
+    x, wq, ws = _operands(rows, 50, 100, 16, 32, seed=config.get("SPLIT_K", 1))
+    _check(fp8_block_linear_triton(x, wq, ws, 16, 32, config), x, wq, ws, 16, 32)
+
+
+def test_keeps_leading_dims_and_reads_a_strided_weight_row_block():
+    """A decode step's [batch, 1, K] input; a weight whose rows are a block of a wider one (row stride
+    of the whole) with that block's scales."""
+    x, wq, ws = _operands(1, 64, 96, 16, 32, lead=(4,))
+    got = fp8_block_linear_triton(x, wq[16:48], ws[1:3], 16, 32)
+    assert got.shape == (4, 1, 32)
+    _check(got, x, wq[16:48], ws[1:3], 16, 32)
+
+
+def test_zero_groups_and_rows_give_exact_zeros():
+    """An all-zero token, an all-zero group of another (its scale at the minimum: no 0 / 0) and an
+    all-zero weight tile."""
+    x, wq, ws = _operands(3, 40, 96, 16, 32)
+    x[1] = 0
+    x[2, 32:64] = 0
+    wq[16:32] = 0
+    got = fp8_block_linear_triton(x, wq, ws, 16, 32)
+    assert (got[1] == 0).all() and (got[:, 16:32] == 0).all() and got.isfinite().all()
+    _check(got, x, wq, ws, 16, 32)
+
+
+def test_refuses_what_it_cannot_run_and_empty_inputs():
+    x, wq, ws = _operands(2, 40, 96, 16, 32)
+    with pytest.raises(ValueError, match="block_k=48; the kernel takes"):
+        fp8_block_linear_triton(x, wq, ws, 16, 48)
+    with pytest.raises(ValueError, match="does not match"):
+        fp8_block_linear_triton(x[:, :64], wq, ws, 16, 32)
+    with pytest.raises(ValueError, match=r"weight_scale_inv \(3, 3\).*want \(3, 3\) float32"):
+        fp8_block_linear_triton(x, wq, ws[:, :3].double().contiguous(), 16, 32)
+    with pytest.raises(ValueError, match="want"):
+        fp8_block_linear_triton(x, wq, ws[:2], 16, 32)
+    with pytest.raises(ValueError, match="at most 4 splits"):
+        fp8_block_linear_triton(x, wq, ws, 16, 32, dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=8, SWAP=True))
+    with pytest.raises(ValueError, match="up to 32"):
+        fp8_block_linear_triton(*_operands(40, 40, 96, 16, 32), 16, 32, dict(BLOCK_M=64, BLOCK_N=16, SPLIT_K=2))
+    assert fp8_block_linear_triton(x[:0], wq, ws, 16, 32).shape == (0, 40)
+
+
+@pytest.mark.parametrize("rows,classes", [(1, {16}), (9, {16}), (32, {32}), (33, {64, 128})])
+def test_autotuned_launch_binds_every_parameter_and_tunes_per_row_class(monkeypatch, rows, classes):
+    """The autotuned entry, with the kernel launch and its timing replaced (they need a GPU): every
+    candidate and the final launch bind each kernel parameter, ROWS keys the row class, and the
+    candidates are that class's tiles."""
+    params = inspect.signature(k._fp8_block_linear_kernel.fn).parameters
+    required = {n for n, p in params.items() if p.default is inspect.Parameter.empty}
+    launches = []
+
+    def fake_run(*args, **kwargs):
+        bound = dict(zip(params, args), **{n: v for n, v in kwargs.items() if n in params})
+        assert required <= set(bound), sorted(required - set(bound))
+        launches.append(bound)
+
+    monkeypatch.setattr(k, "_COMPILED", True)
+    monkeypatch.setattr(k._tuned, "cache", {})
+    monkeypatch.setattr(k._tuned.fn, "run", fake_run)
+    monkeypatch.setattr(k._tuned, "do_bench", lambda fn, quantiles=None: (fn(), 1.0)[1])
+    x, wq, ws = _operands(rows, 40, 256, 128, 128)
+    fp8_block_linear_triton(x, wq, ws, 128, 128)
+    assert {b["ROWS"] for b in launches} == {k.row_class(rows)}
+    assert {b["BLOCK_M"] for b in launches[:-1]} == classes
+    assert all(b["BLOCK_K"] == 128 and b["BN_W"] == 128 for b in launches)
+    assert len(launches) == 1 + sum(c.kwargs["BLOCK_M"] in classes for c in k._tuned.configs)
