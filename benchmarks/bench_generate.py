@@ -29,7 +29,7 @@ from gemma4opt.kernels.paged_decode import set_early_reads  # noqa: E402
 from gemma4opt.kernels.skinny_linear import use_tiles  # noqa: E402
 from gemma4opt.ops.state import MARGINS  # noqa: E402
 from gemma4opt.patterns import PATTERN_NAMES  # noqa: E402
-from gemma4opt.presets import ALL_PRESETS, build_model  # noqa: E402
+from gemma4opt.presets import ALL_PRESETS, build_model, finegrained_fp8_  # noqa: E402
 from roofline import copy_bandwidth, kv_bytes_per_step, weight_bytes_per_step  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -189,6 +189,8 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      "gemma4opt-paged-nopdl": dict(attention="paged", pdl=False),
                      # FP8 (e4m3) weights of the attention and dense-MLP projections; "-kv8": and the KV pool.
                      "gemma4opt-fp8": dict(quantization="fp8"),
+                     # A FineGrainedFP8 checkpoint (--fp8-block; experts and lm_head kept) run by gemma4opt
+                     "gemma4opt-finegrained-fp8": dict(checkpoint="finegrained-fp8"),
                      "gemma4opt-fp8-kv8": dict(quantization="fp8", kv_cache_dtype="fp8"),
                      # And the lm_head in fp8 (an fp8 copy beside the tied bf16 embedding table).
                      "gemma4opt-fp8-head": dict(quantization="fp8", quantize_lm_head=True),
@@ -253,6 +255,9 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         moe_pipe = opts.pop("moe_pipe", 0)                  # read at each launch, captured with the graphs
         for tiles in (moe_experts.TILES, moe_experts.TILES_FP8):
             tiles.update(gu_pipe=moe_pipe, dn_pipe=moe_pipe)
+        if opts.pop("checkpoint", None):
+            # transformers' FP8Experts run only with a kernel from the `kernels` hub: kept in bf16
+            finegrained_fp8_(sys_model, (args.fp8_block, args.fp8_block), skip=("lm_head", "experts"))
         margins = dict(MARGINS)
         MARGINS.update(opts.pop("margins", {}))     # read when optimize() makes the model's op state
         if opts.get("attention") == "paged":     # tuned: a pool for exactly this run's batches and lengths
@@ -261,7 +266,8 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
             gemma4opt.optimize(sys_model, gemma4opt.Gemma4OptConfig(**opts))
         finally:
             MARGINS.update(margins)
-        if opts.get("quantization") or opts.get("kv_cache_dtype"):      # fewer bytes: its own roofline
+        if opts.get("quantization") or opts.get("kv_cache_dtype") or system == "gemma4opt-finegrained-fp8":
+            # fewer bytes: its own roofline
             kv_elem = 1 if opts.get("kv_cache_dtype") == "fp8" else None
             roof = {b: (weight_bytes_per_step(sys_model, b) + kv_bytes_per_step(
                 sys_model, b, args.prompt + args.new // 2, kv_elem)) / args.bandwidth * 1e3 for b in args.batch}
@@ -337,6 +343,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--systems", nargs="+", default=["eager", "static_compile", "gemma4opt"],
                     choices=["eager", "static_compile", *GEMMA4OPT_SYSTEMS])
+    ap.add_argument("--fp8-block", type=int, default=128,
+                    help="gemma4opt-finegrained-fp8's weight_block_size (128; smaller for tiny presets)")
     ap.add_argument("--json", default=None, help="append result rows to this JSON-lines file")
     ap.add_argument("--run", default=None, help="run id stamped on every row (default: date/time, preset, layers)")
     args = ap.parse_args(argv)
