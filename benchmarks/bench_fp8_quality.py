@@ -14,6 +14,10 @@ router, PLE kept), over ``--batch x --seq`` random tokens (>= 512 positions):
   1 x 128 activation groups, dynamic) emulated in torch on the same projections and, as its
   FP8Experts does, on each expert's gate_up and down, the anchor: its own kernel comes from the
   `kernels` hub, which an offline machine cannot load;
+- ``gemma4opt-finegrained-fp8`` (not a default system): the model as transformers' FineGrainedFP8
+  loading leaves it (presets.finegrained_fp8_: its own module swap and weight quantizer), run by
+  ``optimize(model)``: the block-scaled GEMM on the checkpoint's bytes, the anchor's scheme; its
+  experts stay in the model's dtype (transformers' FP8Experts need the `kernels` hub);
 - ``fp8-channel-weights-group-acts``, ``fp8-block-weights-token-acts``: the anchor with one side in
   gemma4opt's scheme (not default systems): which side a difference between the two comes from.
 Per system: the mean KL(p_ref || p_fp8) over positions and the top-1 agreement with the reference.
@@ -31,7 +35,7 @@ import torch
 import gemma4opt
 from gemma4opt.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_MIN
 from gemma4opt.ops.fp8_weights import QUANTIZED_BLOCKS, quantize_linears
-from gemma4opt.presets import ALL_PRESETS, build_model
+from gemma4opt.presets import ALL_PRESETS, build_model, finegrained_fp8_
 
 
 ANCHOR = "hf-finegrained-fp8"      # measured first (the default order): later rows say how far from it
@@ -149,7 +153,8 @@ def main(argv=None):
     ap.add_argument("--block", type=int, default=128, help="FineGrainedFP8's block (128; smaller for tiny presets)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--systems", nargs="+", default=["hf-finegrained-fp8", "fp8-reference", "gemma4opt-fp8"],
-                    choices=["hf-finegrained-fp8", "fp8-reference", "gemma4opt-fp8", "gemma4opt-fp8-head", *MIXED])
+                    choices=["hf-finegrained-fp8", "fp8-reference", "gemma4opt-fp8", "gemma4opt-fp8-head",
+                             "gemma4opt-finegrained-fp8", *MIXED])
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                     help="the reference model's dtype (default: bfloat16 on CUDA, float32 elsewhere)")
     ap.add_argument("--json", default=None)
@@ -173,6 +178,9 @@ def main(argv=None):
         if system in ("gemma4opt-fp8", "gemma4opt-fp8-head"):
             gemma4opt.optimize(m, gemma4opt.Gemma4OptConfig(quantization="fp8",
                                                              quantize_lm_head=system == "gemma4opt-fp8-head"))
+        elif system == "gemma4opt-finegrained-fp8":
+            finegrained_fp8_(m, (args.block, args.block), skip=("lm_head", "experts"))
+            gemma4opt.optimize(m)
         elif system == "fp8-reference":
             quantize_linears(m)
         else:

@@ -75,3 +75,14 @@ def test_moe_experts_are_fp8_in_every_system():
     rows = mod.main(["--preset", "tiny-moe", "--seq", "32", "--block", "16", "--device", "cpu"])
     by = {r["system"]: r for r in rows}
     assert by["gemma4opt-fp8"]["kl"] == by["fp8-reference"]["kl"] and all(r["kl"] > 0 for r in rows)
+
+
+def test_a_finegrained_checkpoint_run_by_gemma4opt_measures_as_the_anchor():
+    """The checkpoint's FP8Linear (transformers' own swap and weight quantizer) run by gemma4opt's
+    block-scaled GEMM: the anchor's scheme, so its KL and top-1 are the anchor's but for the weight
+    scales' rounding (transformers stores 1 / (448 / amax), the anchor amax / 448)."""
+    rows = _main(["--preset", "tiny", "--seq", "32", "--block", "32", "--device", "cpu",
+                  "--systems", "hf-finegrained-fp8", "gemma4opt-finegrained-fp8"])
+    anchor, ours = rows
+    assert ours["system"] == "gemma4opt-finegrained-fp8" and ours["kl"] > 0
+    assert abs(ours["kl_vs_anchor"]) < 0.01 and abs(ours["top1"] - anchor["top1"]) <= 1 / 64
