@@ -19,7 +19,7 @@ from gemma4opt.compiler.pattern import PassContext
 from gemma4opt.config import Gemma4OptConfig, choose_attention
 from gemma4opt.edits import InstanceEdits, own_configs
 from gemma4opt.fixed_tensors import FixedTensors
-from gemma4opt.ops.fp8_checkpoint import adopt_fp8_linears
+from gemma4opt.ops.fp8_checkpoint import adopt_fp8_modules
 from gemma4opt.ops.fp8_weights import (foreign_projections, fp8_linears, fp8_lm_head, quantize_linears,
                                         quantize_lm_head)
 from gemma4opt.ops.state import OpState, active
@@ -305,7 +305,7 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits, 
             shard_model(target, text_config, shard)
         edits.set(model, "save_pretrained", _refuse_save_sharded)
     # A FineGrainedFP8 checkpoint's projections: gemma4opt's block-scaled GEMM as their forward.
-    state.checkpoint_fp8 = adopt_fp8_linears(model, edits)
+    state.checkpoint_fp8 = adopt_fp8_modules(model, edits)
     if cfg.quantization == "fp8":
         state.quantized = quantize_linears(target, drop_attrs=(MERGED_ATTR,))
         if cfg.quantize_lm_head:

@@ -62,8 +62,9 @@ DEMO_PRESETS: dict[str, dict] = {
 ALL_PRESETS = {**PRESETS, **DEMO_PRESETS, **TINY_PRESETS}
 
 
-def preset_config(name: str, layers: int | None = None):
-    """A Gemma4TextConfig for a preset; ``layers`` cuts depth (KV-shared layers scale with it)."""
+def preset_config(name: str, layers: int | None = None, **overrides):
+    """A Gemma4TextConfig for a preset; ``layers`` cuts depth (KV-shared layers scale with it);
+    ``overrides``: other config fields."""
     from transformers import Gemma4TextConfig
 
     if name not in ALL_PRESETS:
@@ -77,7 +78,7 @@ def preset_config(name: str, layers: int | None = None):
         kw["num_kv_shared_layers"] = min(round(shared * layers / full), max(layers - 6, 0)) if shared else 0
         kw["num_hidden_layers"] = layers
         kw.pop("layer_types", None)
-    return Gemma4TextConfig(**kw)
+    return Gemma4TextConfig(**{**kw, **overrides})
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
@@ -94,11 +95,12 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 
 def build_model(name: str = "tiny", layers: int | None = None, dtype=torch.float32, device="cpu", seed: int = 0,
-                attn_implementation: str = "sdpa"):
-    """A random-init Gemma4ForCausalLM for a preset, built directly on ``device`` in ``dtype``."""
+                attn_implementation: str = "sdpa", **overrides):
+    """A random-init Gemma4ForCausalLM for a preset, built directly on ``device`` in ``dtype``
+    (``overrides``: config fields, preset_config's)."""
     from transformers import Gemma4ForCausalLM
 
-    config = preset_config(name, layers)
+    config = preset_config(name, layers, **overrides)
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     prev = torch.get_default_dtype()
@@ -143,3 +145,11 @@ def finegrained_fp8_(model: torch.nn.Module, block_size=(128, 128), skip=("lm_he
                     setattr(module, scale_key.rsplit(".", 1)[1], None)
     model.config.quantization_config = cfg
     return model
+
+
+def checkpoint_skip(config, block: int) -> tuple[str, ...]:
+    """What finegrained_fp8_ leaves unconverted for a runnable checkpoint at this block: the lm_head, and
+    the MoE experts where their dims are not whole blocks (transformers would leave a side of them in
+    bf16, which gemma4opt's experts op does not take, and their own forward needs the `kernels` hub)."""
+    moe = getattr(config, "enable_moe_block", False) and (config.moe_intermediate_size % block or config.hidden_size % block)
+    return ("lm_head", "experts") if moe else ("lm_head",)

@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 
 from gemma4opt.api import get_state
 from gemma4opt.ops import rope_cos_sin
-from gemma4opt.ops.fp8_checkpoint import HF_FP8_LINEAR, adopted, hf_fp8_experts
+from gemma4opt.ops.fp8_checkpoint import HF_FP8_EXPERTS, HF_FP8_LINEAR, adopted
+from gemma4opt.ops.moe_experts_fp8_block import MAX_PAIRS
 from gemma4opt.ops.fp8_weights import foreign_projections, fp8_experts, fp8_linears, fp8_lm_head
 from gemma4opt.ops.state import OpState
 from gemma4opt.patterns.paged_qkv import ATTENTION_OPS
@@ -175,8 +176,8 @@ def _weights(model, state, device: str) -> str:
 
 
 def _checkpoint_fp8(model, state) -> str:
-    """A FineGrainedFP8 checkpoint's FP8Linear modules: how many gemma4opt's GEMM runs, which it
-    does not and why; its FP8Experts."""
+    """A FineGrainedFP8 checkpoint's FP8Linear and FP8Experts modules: how many gemma4opt's kernels
+    run, which they do not and why."""
     counts = state.checkpoint_fp8
     parts = []
     if counts.get(HF_FP8_LINEAR):
@@ -185,13 +186,13 @@ def _checkpoint_fp8(model, state) -> str:
         parts.append(f"{counts[HF_FP8_LINEAR]} linears are transformers' FP8Linear (a FineGrainedFP8 checkpoint: "
                      f"e4m3 weights, one fp32 scale per {tiles} tile): run by gemma4opt's block-scaled fp8 GEMM "
                      f"(fp8_block_linear), each input quantized per token and {'/'.join(str(k) for _, k in blocks)}"
-                     "-long group inside it, unmerged")
-    parts += [f"{v} FP8Linear run their own forward: {k.split(', ', 1)[1]}" for k, v in counts.items()
-              if k.startswith(HF_FP8_LINEAR + " kept")]
-    experts = hf_fp8_experts(model)
-    if experts:
-        parts.append(f"{len(experts)} MoE experts blocks are transformers' FP8Experts ({experts[0]}, ...): their own "
-                     "forward (gemma4opt has no block-scaled experts kernel; theirs loads from the `kernels` hub)")
+                     "-long group inside it; q/k/v and gate/up merged where their row blocks stack")
+    if counts.get(HF_FP8_EXPERTS):
+        parts.append(f"{counts[HF_FP8_EXPERTS]} MoE experts blocks are transformers' FP8Experts: run by "
+                     "gemma4opt's moe_experts_fp8_block (decode: the block-scaled GEMM over (token, expert) pairs, "
+                     f"up to {MAX_PAIRS} pairs; prefill: the GEMM per expert with tokens)")
+    parts += [f"{v} {k.split(' kept, ')[0]} run their own forward: {k.split(' kept, ', 1)[1]}"
+              for k, v in counts.items() if " kept, " in k]
     return "; ".join(parts)
 
 

@@ -19,6 +19,12 @@ With quantization="fp8" the projections are ops/fp8_weights.py's Fp8Linear: each
 per-channel scales (per-channel scales merge exactly), quantizing h once::
 
     qkv = fp8_linear(quantize_rows(h), Wq_qkv, scale_qkv); q, k, v = qkv[..., :nq], ...
+
+A FineGrainedFP8 checkpoint's FP8Linear run by gemma4opt (ops/fp8_checkpoint.py) is
+``fp8_block_linear(h, W, weight_scale_inv, bn, bk)``: projections with the same blocks whose rows
+fill whole row blocks (all but the last) stack their e4m3 weights and their tile scales' rows::
+
+    qkv = fp8_block_linear(h, Wq_qkv, scale_inv_qkv, bn, bk); q, k, v = qkv[..., :nq], ...
 """
 from __future__ import annotations
 
@@ -37,33 +43,66 @@ MERGED_SCALE_ATTR = "_gemma4opt_merged_weight_scale"     # fp8: the merged per-c
 _GROUPS = {"Gemma4TextAttention": ("q_proj", "k_proj", "v_proj"), "Gemma4TextMLP": ("gate_proj", "up_proj")}
 
 
+def _kind(lin) -> str:
+    """"bf16" (a plain nn.Linear), "fp8" (gemma4opt's Fp8Linear), "block" (a FineGrainedFP8 FP8Linear
+    whose forward optimize() made gemma4opt's) or "foreign" (its own forward: never merged)."""
+    if isinstance(lin, Fp8Linear):
+        return "fp8"
+    if adopted(lin):
+        return "block"
+    return "foreign" if foreign_linear(lin) else "bf16"
+
+
+def scale_attr(lin) -> str | None:
+    """The attribute holding a mergeable projection's scales (merged with its weight), or None."""
+    return {"fp8": "weight_scale", "block": "weight_scale_inv"}.get(_kind(lin))
+
+
+def _whole_blocks(linears) -> bool:
+    """FineGrainedFP8 projections merge when their tiles stack: the same blocks, whole row blocks."""
+    blocks = {tuple(int(b) for b in lin.block_size) for lin in linears}
+    return len(blocks) == 1 and all(lin.weight.shape[0] % next(iter(blocks))[0] == 0 for lin in linears[:-1])
+
+
 def _merge(module: torch.nn.Module, names: tuple[str, ...]) -> None:
     linears = [getattr(module, n, None) for n in names]
     linears = [lin for lin in linears if lin is not None]
-    if len(linears) < 2 or any(foreign_linear(lin) or lin.bias is not None for lin in linears):
-        # (optimized again after a projection was swapped for another kind: no longer merged)
+    kinds = {_kind(lin) for lin in linears}
+    if (len(linears) < 2 or len(kinds) > 1 or "foreign" in kinds or any(lin.bias is not None for lin in linears)
+            or (kinds == {"block"} and not _whole_blocks(linears))):
+        # (some projections not quantized, or optimized again after a projection was swapped for
+        # another kind: left apart, no longer merged)
         module.__dict__.pop(MERGED_ATTR, None)
         module.__dict__.pop(MERGED_SCALE_ATTR, None)
         return
     if _views_of(module, linears):
         return
-    fp8 = [isinstance(lin, Fp8Linear) for lin in linears]
-    if any(fp8) and not all(fp8):
-        return                              # some projections were not quantized: leave them apart
+    attr = scale_attr(linears[0])
     with torch.no_grad():
         merged = torch.cat([lin.weight for lin in linears], dim=0)
-        scales = torch.cat([lin.weight_scale for lin in linears], dim=0) if fp8[0] else None
-    start = 0
+        scales = torch.cat([getattr(lin, attr) for lin in linears], dim=0) if attr else None
+    start = s0 = 0
     for lin in linears:
         rows = lin.weight.shape[0]
-        if scales is not None:              # buffers: the views replace them in place
-            lin.weight, lin.weight_scale = merged[start:start + rows], scales[start:start + rows]
-        else:
-            lin.weight = torch.nn.Parameter(merged[start:start + rows], requires_grad=lin.weight.requires_grad)
+        _assign(lin, "weight", merged[start:start + rows])
+        if scales is not None:          # a row each (fp8), a row per block of rows (block)
+            srows = getattr(lin, attr).shape[0]
+            _assign(lin, attr, scales[s0:s0 + srows])
+            s0 += srows
         start += rows
     setattr(module, MERGED_ATTR, merged)   # a plain attribute: not a parameter, not in state_dict
     if scales is not None:
         setattr(module, MERGED_SCALE_ATTR, scales)
+
+
+def _assign(lin, attr: str, view: torch.Tensor) -> None:
+    """The module's tensor becomes a view of the merged one: a Parameter stays a Parameter, a buffer
+    (Fp8Linear's) is replaced in place."""
+    held = getattr(lin, attr)
+    if isinstance(held, torch.nn.Parameter):
+        setattr(lin, attr, torch.nn.Parameter(view, requires_grad=held.requires_grad))
+    else:
+        setattr(lin, attr, view)
 
 
 def merged_groups(root: torch.nn.Module) -> list[tuple[torch.nn.Module, list[torch.nn.Module]]]:
@@ -86,13 +125,16 @@ def restore_views(module: torch.nn.Module, linears: list[torch.nn.Module], rows:
     another shape, dtype or device than its rows cannot be: a clear error."""
     merged = getattr(module, MERGED_ATTR)
     scales = getattr(module, MERGED_SCALE_ATTR, None)
-    base = merged.untyped_storage().data_ptr()
-    todo, start = [], 0
+    todo, start, s0 = [], 0, 0
     for lin, n in zip(linears, rows):
-        for attr, whole in (("weight", merged), ("weight_scale", scales)):
-            if whole is None:
+        sattr = scale_attr(lin)
+        # scale rows: one per weight row (fp8), one per block of rows (FineGrainedFP8)
+        ns = 0 if sattr is None else n if sattr == "weight_scale" else -(-n // int(lin.block_size[0]))
+        for attr, whole, lo, count in (("weight", merged, start, n), (sattr, scales, s0, ns)):
+            if whole is None or attr is None:
                 continue
-            view, w = whole[start:start + n], getattr(lin, attr)
+            base = whole.untyped_storage().data_ptr()
+            view, w = whole[lo:lo + count], getattr(lin, attr)
             if w.data_ptr() == view.data_ptr() and w.shape == view.shape and w.dtype == view.dtype:
                 continue
             if w.shape != view.shape or w.dtype != view.dtype or w.device != view.device:
@@ -105,6 +147,7 @@ def restore_views(module: torch.nn.Module, linears: list[torch.nn.Module], rows:
             src = w.detach().clone() if w.untyped_storage().data_ptr() == base else w.detach()
             todo.append((lin, attr, view, src))
         start += n
+        s0 += ns
     with torch.no_grad():
         for _, _, view, src in todo:
             view.copy_(src)
@@ -113,7 +156,7 @@ def restore_views(module: torch.nn.Module, linears: list[torch.nn.Module], rows:
         if isinstance(held, torch.nn.Parameter):
             held.data = view                # the Parameter the caller may hold stays the module's
         else:
-            setattr(lin, attr, view)        # fp8 buffers
+            setattr(lin, attr, view)        # Fp8Linear's buffers
     return sorted({f"{_name_in(module, lin)}.{attr}" for lin, attr, _, _ in todo})
 
 
@@ -155,10 +198,10 @@ class MergedProjectionsPattern(Pattern):
                 owned = [n for n in names if getattr(module, n, None) is not None]
                 if merged is None:
                     foreign = [n for n in owned if foreign_linear(getattr(module, n))]
-                    if foreign:
+                    if foreign and len(owned) >= 2:
                         lin = getattr(module, foreign[0])
-                        how = ("run by gemma4opt::fp8_block_linear, not merged" if adopted(lin)
-                               else "left to its own forward")
+                        how = ("run by gemma4opt::fp8_block_linear, not merged (rows not in whole blocks, or "
+                               "blocks differ)" if adopted(lin) else "left to its own forward")
                         res.unfused.append(f"{region.path}: {', '.join(foreign)} {'is a' if len(foreign) == 1 else 'are'} "
                                            f"{type(lin).__name__} (not an nn.Linear): {how}")
                     elif len(owned) >= 2:
@@ -173,8 +216,9 @@ class MergedProjectionsPattern(Pattern):
 
     @staticmethod
     def _rewrite(gm, ctx, region, module, owned, merged) -> str | None:
-        fp8 = isinstance(getattr(module, owned[0]), Fp8Linear)
-        op = "fp8_linear.default" if fp8 else "linear"
+        kind = _kind(getattr(module, owned[0]))
+        fp8 = kind == "fp8"
+        op = {"fp8": "fp8_linear.default", "block": "fp8_block_linear.default"}.get(kind, "linear")
         linears = []
         for name in owned:
             path = f"{region.path}.{name}"
@@ -185,7 +229,7 @@ class MergedProjectionsPattern(Pattern):
         x = _quantized_input(linears[0]) if fp8 else linears[0].args[0]
         if any((_quantized_input(lin) if fp8 else lin.args[0]) is not x for lin in linears):
             return "projections do not share their input"
-        if not fp8 and any(len(lin.args) > 2 and lin.args[2] is not None for lin in linears):
+        if kind == "bf16" and any(len(lin.args) > 2 and lin.args[2] is not None for lin in linears):
             return "projection has a bias"
         graph = gm.graph
         first = min(linears)          # nodes compare by their position in the graph
@@ -201,6 +245,9 @@ class MergedProjectionsPattern(Pattern):
                 scale = ctx.add_constant(f"{region.path}.merged_scale", getattr(module, MERGED_SCALE_ATTR))
                 fused = graph.call_function(torch.ops.gemma4opt.fp8_linear.default, (xq, xs, w, scale, first.args[4]))
                 new_nodes += [q, xq, xs]
+            elif kind == "block":        # (x, weight, weight_scale_inv, block_n, block_k): the same blocks
+                scale = ctx.add_constant(f"{region.path}.merged_scale", getattr(module, MERGED_SCALE_ATTR))
+                fused = graph.call_function(torch.ops.gemma4opt.fp8_block_linear.default, (x, w, scale, *first.args[3:]))
             else:
                 fused = graph.call_function(torch.nn.functional.linear, (x, w))
             fused.meta = dict(first.meta)

@@ -25,7 +25,9 @@ two decode kernels and HF's path timed faster (ops/moe_experts.py). One match pe
 unfused, with the reason, when the experts are not the concatenated [gate; up], untransposed,
 bias-free, gelu-tanh layout the kernels read, or the region is neither of HF's paths above (e.g.
 the eager per-expert loop). With quantization="fp8" the experts are ops/fp8_weights.py's
-Fp8Experts, which call gemma4opt.moe_experts_fp8 themselves: nothing to match (0 expected).
+Fp8Experts, which call gemma4opt.moe_experts_fp8 themselves: nothing to match (0 expected). A
+FineGrainedFP8 checkpoint's FP8Experts, adopted (ops/fp8_checkpoint.py), call
+gemma4opt.moe_experts_fp8_block: counted as matched where the op is there.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import torch.fx as fx
 
 from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
 from gemma4opt.compiler.regions import erase_region, regions_of_type, replace_output, resolve_module
+from gemma4opt.ops.fp8_checkpoint import experts_unsupported
 
 _GROUPED = ("grouped_mm", "_grouped_mm", "grouped_mm_fallback")
 
@@ -55,6 +58,14 @@ class MoeExpertsPattern(Pattern):
         from gemma4opt.ops.moe_experts import register_experts
 
         res = PassResult()
+        # A FineGrainedFP8 checkpoint's experts (transformers' FP8Experts): adopted, their forward is
+        # gemma4opt.moe_experts_fp8_block already (ops/fp8_checkpoint.py); else their own forward runs.
+        for region in regions_of_type(gm.graph, "FP8Experts", subtree=True):
+            if region.op_counts()["moe_experts_fp8_block.default"] == 1:
+                res.matched += 1
+            else:
+                res.unfused.append(f"{region.path}: transformers' FP8Experts, their own forward "
+                                   f"({experts_unsupported(resolve_module(ctx.root, region.path))})")
         for region in regions_of_type(gm.graph, "Gemma4TextExperts", subtree=True):
             experts = resolve_module(ctx.root, region.path)
             m, why = self._match(region, experts)

@@ -52,18 +52,31 @@ def _group_tile(acc, X, w_rows, s_rows, k0, K, nmask, m, mmask, sxm,
 
 
 @triton.jit
-def _fp8_block_linear_kernel(X, W, WS, Y, P, M, N, K, sxm, swn, swsn, sym, ROWS, BN_W: tl.constexpr,
+def _fp8_block_linear_kernel(X, W, WS, Y, P, IDX, M, N, K, sxm, swn, swsn, sym, swe, swse, ROWS, BN_W: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr = False,
-                             PDL: tl.constexpr = False):
+                             PDL: tl.constexpr = False, TOPK: tl.constexpr = 0):
     # ROWS (the row class) is not read: it keys the autotuner's choice. BN_W: the checkpoint's block_n.
+    # TOPK > 0: MoE (token, expert) pairs, one a program (program_id(2)): pair p multiplies x's row
+    # p // TOPK by expert IDX[p]'s weight (W and WS strided by swe, swse per expert) into Y's row p.
     pdl_prologue(PDL)
+    if TOPK > 0:
+        p = tl.program_id(2).to(tl.int64)
+        e = tl.load(IDX + p).to(tl.int64)
+        W += e * swe
+        WS += e * swse
+        X += (p // TOPK) * sxm
+        Y += p * sym
+        M = 1           # this program's one row (at X and Y, moved above)
+        m = tl.arange(0, BLOCK_M)
+        mmask = m < M
+    else:
+        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mmask = m < M
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     w_rows = W + n.to(tl.int64)[:, None] * swn
     s_rows = WS + (n // BN_W) * swsn
-    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    mmask = m < M
     lo, hi = k_range(K, SPLIT_K, BLOCK_K)
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -107,6 +120,8 @@ def _configs():
 
 def _keep(configs, named_args, **kwargs):
     rows = named_args["ROWS"]
+    if rows == 0:       # MoE pairs: one row a program, unsplit
+        return [c for c in configs if c.kwargs["BLOCK_M"] == 16 and c.kwargs["SPLIT_K"] == 1]
     want = (16,) if rows <= 16 else (32,) if rows <= 32 else (64, 128)
     return [c for c in configs if c.kwargs["BLOCK_M"] in want]
 
@@ -141,7 +156,7 @@ def fp8_block_linear_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: t
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M and N:
         part = torch.empty(MAX_SPLIT * M * N if M <= 32 else 0, dtype=torch.float32, device=x.device)
-        args = (x2, w_fp8, ws, y, part, M, N, K, x2.stride(0), w_fp8.stride(0), ws.stride(0), y.stride(0),
+        args = (x2, w_fp8, ws, y, part, ws, M, N, K, x2.stride(0), w_fp8.stride(0), ws.stride(0), y.stride(0), 0, 0,
                 row_class(M))
         flags = dict(BN_W=block_n, BLOCK_K=block_k, COMPILED=_COMPILED, **pdl_flags(y))
         if config is None and not _COMPILED:        # the interpreter runs one tile per row class
@@ -160,3 +175,34 @@ def fp8_block_linear_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: t
             split = meta["SPLIT_K"]
         _sum_splits(dict(P=part, Y=y, M=M, N=N, SPLIT_K=split))
     return y.view(*x.shape[:-1], N)
+
+
+def fp8_block_pairs_triton(x: torch.Tensor, idx: torch.Tensor, topk: int, w_fp8: torch.Tensor,
+                           w_scale_inv: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """MoE (token, expert) pairs: x [T, K] (or [P, K] with topk=1), idx [P] the expert of each pair
+    (P = T * topk, pair p reads x's row p // topk), stacked experts w_fp8 [E, N, K] with tile scales
+    [E, ceil(N / block_n), ceil(K / block_k)] -> [P, N] in x's dtype: each pair's row through its
+    expert's block-scaled GEMM (one pair a program, its row padded to the MMA's 16)."""
+    E, N, K = w_fp8.shape
+    P = idx.numel()
+    if block_k not in BLOCK_KS or x.shape[-1] != K or w_fp8.stride(-1) != 1 or x.stride(-1) != 1:
+        raise ValueError(f"gemma4opt fp8_block_pairs: x {tuple(x.shape)}, experts {tuple(w_fp8.shape)} (block_k "
+                         f"{block_k}: the kernel takes {BLOCK_KS}, unit strides along K)")
+    if tuple(w_scale_inv.shape) != (E, triton.cdiv(N, block_n), triton.cdiv(K, block_k)) or \
+            w_scale_inv.dtype != torch.float32 or x.shape[0] * topk != P:
+        raise ValueError(f"gemma4opt fp8_block_pairs: scales {tuple(w_scale_inv.shape)} {w_scale_inv.dtype}, "
+                         f"{P} pairs of {x.shape[0]} rows x top-{topk}")
+    ws = w_scale_inv.contiguous()
+    idx = idx.reshape(P).contiguous()
+    y = torch.empty(P, N, dtype=x.dtype, device=x.device)
+    if P and N:
+        part = torch.empty(0, dtype=torch.float32, device=x.device)     # no splits
+        args = (x, w_fp8, ws, y, part, idx, P, N, K, x.stride(0), w_fp8.stride(1), ws.stride(1), y.stride(0),
+                w_fp8.stride(0), ws.stride(0), 0)
+        flags = dict(BN_W=block_n, BLOCK_K=block_k, COMPILED=_COMPILED, TOPK=topk, **pdl_flags(y))
+        if _COMPILED:
+            _tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), 1, P)](*args, **flags)
+        else:
+            _fp8_block_linear_kernel[(triton.cdiv(N, 16), 1, P)](*args, BLOCK_M=16, BLOCK_N=16, SPLIT_K=1, SWAP=True,
+                                                                  **flags)
+    return y

@@ -13,6 +13,7 @@ from gemma4opt.ops import (  # noqa: F401
     linear_softcap,
     moe_experts,
     moe_experts_fp8,
+    moe_experts_fp8_block,
     moe_router,
     norm_add,
     norm_fp8_linear,

@@ -68,3 +68,21 @@ def fp8_block_linear_reference(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv
     xd = xq.float() * xs.repeat_interleave(block_k, -1)[..., :x.shape[-1]]
     wd = dequantize_blocks_reference(w_fp8, w_scale_inv, block_n, block_k)
     return torch.matmul(xd, wd.t()).to(x.dtype).contiguous()
+
+
+def moe_experts_fp8_block_reference(x, top_k_index, top_k_weights, gate_up, gate_up_scale_inv, down,
+                                    down_scale_inv, block_n: int, block_k: int, linear=fp8_block_linear_reference):
+    """transformers' FP8Experts (a FineGrainedFP8 MoE checkpoint, gelu-tanh gate) in plain torch: each
+    expert that has tokens, in ascending order, runs its tokens through the block-scaled gate_up
+    [E, 2I, H] and down [E, H, I] (``linear``: this file's reference, or a kernel with its semantics),
+    gelu_tanh(gate) * up in x's dtype between them; the outputs times the routing weight (in x's
+    dtype) are added per token in fp32, expert after expert, then rounded to x's dtype."""
+    I = gate_up.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in torch.unique(top_k_index).tolist():
+        t, j = torch.nonzero(top_k_index == e, as_tuple=True)
+        gu = linear(x[t], gate_up[e], gate_up_scale_inv[e], block_n, block_k)
+        act = torch.nn.functional.gelu(gu[:, :I], approximate="tanh") * gu[:, I:]
+        y = linear(act, down[e], down_scale_inv[e], block_n, block_k)
+        out.index_add_(0, t, (y * top_k_weights[t, j, None].to(y.dtype)).float())
+    return out.to(x.dtype)

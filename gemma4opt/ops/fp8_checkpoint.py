@@ -6,9 +6,9 @@ forward quantizes the input per token and block_k group and calls a kernel from 
 or DeepGEMM (an offline machine cannot load the hub's). Each FP8Linear that the GEMM takes is
 *adopted*: the module stays (its type, parameters, state_dict, save_pretrained
 and any reference to it are HF's), and only its forward, an instance attribute recorded in the
-model's InstanceEdits, becomes the op with the same semantics (ops/fp8_block.py). One that it does
-not take keeps its own forward, and the report says why. transformers' FP8Experts (MoE checkpoints)
-keep theirs: gemma4opt has no block-scaled experts kernel.
+model's InstanceEdits, becomes the op with the same semantics (ops/fp8_block.py). transformers'
+FP8Experts (MoE checkpoints) likewise become gemma4opt::moe_experts_fp8_block. One that the kernels
+do not take keeps its own forward, and the report says why.
 """
 from __future__ import annotations
 
@@ -59,34 +59,69 @@ def unsupported(lin) -> str | None:
     return None
 
 
+def experts_unsupported(m) -> str | None:
+    """Why gemma4opt's block-scaled experts op cannot run this transformers FP8Experts, or None."""
+    from gemma4opt.kernels.fp8_block_linear import BLOCK_KS
+
+    if not getattr(m, "has_gate", True) or getattr(m, "has_bias", False):
+        return "experts without a gate or with a bias"
+    act = getattr(getattr(m, "config", None), "hidden_activation", None)
+    if act != "gelu_pytorch_tanh" or getattr(m, "swiglu_alpha", None) is not None or getattr(m, "limit", None):
+        return f"activation {act!r} (gemma4opt's experts take Gemma-4's gelu_pytorch_tanh gate, unclamped)"
+    if getattr(m, "activation_scheme", "dynamic") != "dynamic":
+        return f"activation_scheme={m.activation_scheme!r}: gemma4opt quantizes activations dynamically"
+    block = getattr(m, "block_size", None)
+    if block is None or int(block[1]) not in BLOCK_KS:
+        return f"weight_block_size {block}: gemma4opt's kernel takes block scales with a block_k of " \
+               f"{', '.join(map(str, BLOCK_KS))}"
+    block_n, block_k = (int(b) for b in block)
+    for name in ("gate_up_proj", "down_proj"):
+        w, s = getattr(m, name, None), getattr(m, name + "_scale_inv", None)
+        if w is None or w.dtype != FP8_DTYPE or w.dim() != 3:
+            return f"{name} is not a stack of e4m3 weights"
+        E, N, K = w.shape
+        want = (E, -(-N // block_n), -(-K // block_k))
+        if s is None or s.dtype != torch.float32 or tuple(s.shape) != want or w.stride(-1) != 1:
+            return f"{name}_scale_inv {tuple(getattr(s, 'shape', ()))} {getattr(s, 'dtype', None)} (want {want} float32)"
+    return None
+
+
+def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    block_n, block_k = (int(b) for b in self.block_size)
+    return torch.ops.gemma4opt.moe_experts_fp8_block.default(
+        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.gate_up_proj_scale_inv, self.down_proj,
+        self.down_proj_scale_inv, block_n, block_k)
+
+
 def _block_forward(self, input: torch.Tensor) -> torch.Tensor:
     block_n, block_k = (int(b) for b in self.block_size)
     return torch.ops.gemma4opt.fp8_block_linear.default(input, self.weight, self.weight_scale_inv, block_n, block_k)
 
 
-def adopted(lin) -> bool:
-    """Whether optimize() gave this transformers FP8Linear gemma4opt's forward."""
-    fwd = getattr(lin, "__dict__", {}).get("forward")
-    return isinstance(fwd, types.MethodType) and fwd.__func__ is _block_forward
+def adopted(module) -> bool:
+    """Whether optimize() gave this transformers FP8Linear or FP8Experts gemma4opt's forward."""
+    fwd = getattr(module, "__dict__", {}).get("forward")
+    return isinstance(fwd, types.MethodType) and fwd.__func__ in (_block_forward, _experts_forward)
 
 
-def adopt_fp8_linears(root: torch.nn.Module, edits) -> dict[str, int]:
-    """Give every supported transformers FP8Linear under root gemma4opt's forward, through ``edits``
-    (undone with the rest of optimize()): the attention and MLP projections, and any other linear
-    the checkpoint quantized (the per-layer-input and router projections: transformers converts every
-    nn.Linear but the lm_head). Returns {"FP8Linear": n adopted, "FP8Linear kept, <why>": n}."""
+def adopt_fp8_modules(root: torch.nn.Module, edits) -> dict[str, int]:
+    """Give every supported transformers FP8Linear and FP8Experts under root gemma4opt's forward,
+    through ``edits`` (undone with the rest of optimize()): the attention and MLP projections, any other
+    linear the checkpoint quantized (the per-layer-input and router projections: transformers converts
+    every nn.Linear but the lm_head), the MoE experts. Returns {"FP8Linear": n adopted, "FP8Linear kept,
+    <why>": n, and the same for "FP8Experts"}."""
     counts: dict[str, int] = {}
-    for lin in root.modules():
-        if not is_hf_fp8_linear(lin):
+    for m in root.modules():
+        if is_hf_fp8_linear(m):
+            kind, why, forward = HF_FP8_LINEAR, unsupported(m), _block_forward
+        elif _from_transformers(m, HF_FP8_EXPERTS):
+            kind, why, forward = HF_FP8_EXPERTS, experts_unsupported(m), _experts_forward
+        else:
             continue
-        why = unsupported(lin)
-        key = f"{HF_FP8_LINEAR} kept, {why}" if why else HF_FP8_LINEAR
+        key = f"{kind} kept, {why}" if why else kind
         counts[key] = counts.get(key, 0) + 1
-        if not why and not adopted(lin):
-            edits.set(lin, "forward", types.MethodType(_block_forward, lin))
+        if not why and not adopted(m):
+            edits.set(m, "forward", types.MethodType(forward, m))
     return counts
 
 
-def hf_fp8_experts(root: torch.nn.Module) -> list[str]:
-    """Paths of the transformers FP8Experts modules under root (they keep their own forward)."""
-    return [path for path, m in root.named_modules() if _from_transformers(m, HF_FP8_EXPERTS)]

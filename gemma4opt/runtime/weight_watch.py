@@ -19,7 +19,7 @@ import torch
 
 from gemma4opt.ops.fp8 import quantize_weight_reference
 from gemma4opt.ops.fp8_weights import Fp8Linear
-from gemma4opt.patterns.merged_projections import merged_groups, restore_views
+from gemma4opt.patterns.merged_projections import merged_groups, restore_views, scale_attr
 
 
 class MergedWeightWatch:
@@ -28,15 +28,16 @@ class MergedWeightWatch:
         # each linear's rows in its merged weight, as merged: a replaced weight may have other rows
         self.groups = [(module, linears, [lin.weight.shape[0] for lin in linears], names.get(module, "?"))
                        for module, linears in merged_groups(root)]
-        # the dicts that hold each weight (parameters; buffers for fp8), read directly: Module.__getattr__
-        # per weight would cost more than the compare
-        self._holders = [lin._parameters if "weight" in lin._parameters else lin._buffers
-                         for _, linears, _, _ in self.groups for lin in linears]
+        # (the dict that holds it, its name) of each weight and its scales where quantized (parameters;
+        # buffers for Fp8Linear), read directly: Module.__getattr__ per tensor would cost more than the compare
+        self._holders = [(lin._parameters if name in lin._parameters else lin._buffers, name)
+                         for _, linears, _, _ in self.groups for lin in linears
+                         for name in ("weight", scale_attr(lin)) if name]
         self._expect = self._addresses()
         self.restored: list[str] = []           # every weight restored, for the report
 
     def _addresses(self) -> list[int]:
-        return [d["weight"].data_ptr() for d in self._holders]
+        return [d[name].data_ptr() for d, name in self._holders]
 
     def check(self) -> None:
         """Copy any merged projection weight given new storage back into the merged weight."""

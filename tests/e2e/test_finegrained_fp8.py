@@ -15,18 +15,19 @@ import gemma4opt
 import gemma4opt.api as api
 from gemma4opt import Gemma4OptConfig
 from gemma4opt.ops.fp8 import FP8_DTYPE
-from gemma4opt.ops.fp8_block import fp8_block_linear_reference
+from gemma4opt.ops.fp8_block import fp8_block_linear_reference, moe_experts_fp8_block_reference
 from gemma4opt.edits import InstanceEdits
-from gemma4opt.ops.fp8_checkpoint import adopt_fp8_linears, adopted, is_hf_fp8_linear, unsupported
-from gemma4opt.presets import finegrained_fp8_
+from gemma4opt.ops.fp8_checkpoint import adopt_fp8_modules, adopted, experts_unsupported, is_hf_fp8_linear, unsupported
+from gemma4opt.presets import build_model, finegrained_fp8_
 from tests.models import VARIANTS, greedy, prompt, tiny
 
 PAGED = dict(attention="paged", page_size=4, max_seq_len=96, max_batch_size=4)
 
 
 def _checkpoint(variant="tiny", block=(32, 32)):
-    # transformers' FP8Experts (tiny-moe) need the kernels hub in their own forward: kept in fp32 here
-    return finegrained_fp8_(tiny(variant), block, skip=("lm_head", "experts"))
+    # tiny-moe's experts (transformers' FP8Experts) 32 wide, not 16: whole 32 x 32 blocks, quantized
+    wide = dict(moe_intermediate_size=32) if variant == "tiny-moe" else {}
+    return finegrained_fp8_(build_model(variant, **wide), block)
 
 
 def _ref_forward(self, x):
@@ -37,11 +38,19 @@ def _op_forward(self, x):
     return torch.ops.gemma4opt.fp8_block_linear(x, self.weight, self.weight_scale_inv, *self.block_size)
 
 
+def _ref_experts_forward(self, x, top_k_index, top_k_weights):
+    return moe_experts_fp8_block_reference(x, top_k_index, top_k_weights, self.gate_up_proj,
+                                           self.gate_up_proj_scale_inv, self.down_proj, self.down_proj_scale_inv,
+                                           *self.block_size)
+
+
 def _reference(model, forward=_ref_forward):
     ref = copy.deepcopy(model)
     for m in ref.modules():
         if is_hf_fp8_linear(m) and m.weight.dtype == FP8_DTYPE:
             m.forward = types.MethodType(forward, m)
+        elif type(m).__name__ == "FP8Experts":
+            m.forward = types.MethodType(_ref_experts_forward, m)
     return ref
 
 
@@ -86,16 +95,36 @@ def test_report_says_what_runs_which_forward():
     # transformers, their own forward (F.linear) runs
     assert "FP8Linear run their own forward: the checkpoint left its weight in float32" in rep.weights
     assert "quantized checkpoint's own modules" not in rep.weights
-    row = rep.row("merged_projections")
-    assert any("run by gemma4opt::fp8_block_linear, not merged" in u for u in row.unfused), row.unfused
+    row = rep.row("merged_projections")     # each q/k/v and gate/up: one block-scaled GEMM
+    assert row.complete and row.matched == row.expected > 0, (row.matched, row.expected, row.unfused)
 
 
-def test_fp8_experts_are_left_to_their_own_forward_and_reported():
-    model = finegrained_fp8_(tiny("tiny-moe"), (32, 32))        # the experts converted too
+def test_fp8_experts_run_gemma4opts_op_and_are_reported():
+    model = _checkpoint("tiny-moe")
+    experts = [m for m in model.modules() if type(m).__name__ == "FP8Experts"]
+    assert len(experts) == 4 and all(e.gate_up_proj.dtype == e.down_proj.dtype == FP8_DTYPE for e in experts)
     gemma4opt.optimize(model, Gemma4OptConfig(**PAGED))
+    greedy(model, prompt(1, 7), 3)
+    assert all(adopted(e) for e in experts)
     rep = gemma4opt.report(model, print_table=False)
-    assert "4 MoE experts blocks are transformers' FP8Experts (model.layers.0." in rep.weights, rep.weights
-    assert all(adopted(m) for m in _fp8_linears(model))
+    assert "4 MoE experts blocks are transformers' FP8Experts: run by gemma4opt's moe_experts_fp8_block" in rep.weights
+    row = rep.row("moe_experts")
+    assert row.complete and row.matched == 4, (row.matched, row.unfused)
+    assert all(c["gemma4opt.moe_experts_fp8_block"] == 4 for c in model._gemma4opt.pass_manager.op_counts)
+
+
+def test_fp8_experts_the_op_does_not_take_keep_their_own_forward_with_the_reason():
+    model = _checkpoint("tiny-moe")
+    experts = next(m for m in model.modules() if type(m).__name__ == "FP8Experts")
+    assert experts_unsupported(experts) is None
+    experts.activation_scheme = "static"
+    assert "activation_scheme='static'" in experts_unsupported(experts)
+    experts.activation_scheme = "dynamic"
+    experts.limit = 7.0
+    assert "unclamped" in experts_unsupported(experts)
+    counts = adopt_fp8_modules(model, InstanceEdits())
+    assert counts["FP8Experts"] == 3 and sum(v for k, v in counts.items() if k.startswith("FP8Experts kept")) == 1
+    assert not adopted(experts)
 
 
 def test_optimize_again_and_a_failed_optimize_leave_transformers_forward():
@@ -169,7 +198,50 @@ def test_what_the_gemm_does_not_take_keeps_its_own_forward_with_the_reason(edit,
     assert unsupported(lin) is None
     edit(lin)
     assert why in unsupported(lin)
-    counts = adopt_fp8_linears(model, InstanceEdits())
+    counts = adopt_fp8_modules(model, InstanceEdits())
     kept = [k for k in counts if k.startswith("FP8Linear kept")]
     assert len(kept) == 1 and why in kept[0] and counts[kept[0]] == 1
     assert not adopted(lin) and adopted(model.model.layers[0].self_attn.k_proj)
+
+
+def test_merged_scales_follow_edits_after_optimize():
+    """q/k/v and gate/up read one merged weight and one merged scale tensor: a projection's scales
+    replaced after optimize() (a new Parameter) are copied into their rows of the merged ones, so the
+    next generate equals the reference path with the same edit."""
+    model = _checkpoint()
+    ids = prompt(2, 9)
+    gemma4opt.optimize(model, Gemma4OptConfig(**PAGED))
+    greedy(model, ids)
+    ref = _reference(model)
+    with torch.no_grad():
+        before = ref(ids).logits
+    for m in (model, ref):
+        # one K group's scales only: k is normed per head, so a uniform factor would change nothing
+        attn = m.model.layers[1].self_attn
+        s = attn.k_proj.weight_scale_inv.detach().clone()
+        s[:, 0] *= 3
+        attn.k_proj.weight_scale_inv = torch.nn.Parameter(s, requires_grad=False)
+        mlp = m.model.layers[2].mlp
+        mlp.up_proj.weight_scale_inv.data = mlp.up_proj.weight_scale_inv.data.flip(0).contiguous()
+    assert torch.equal(greedy(model, ids), greedy(ref, ids))
+    with torch.no_grad():
+        after = ref(ids).logits
+        assert not torch.equal(after, before)
+        assert torch.equal(model(ids).logits, after)
+    assert any("k_proj.weight_scale_inv" in r for r in model._gemma4opt.weights.restored)
+
+
+def test_projections_merge_only_when_their_tiles_stack():
+    """Row blocks of 64: k_proj's 32 rows are half a block, so transformers left it unquantized
+    (its own forward) and q/k/v stay apart; the MLP's 96 rows are not whole blocks either."""
+    from patterns.merged_projections import MERGED_ATTR
+
+    model = _checkpoint(block=(64, 32))
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert adopted(attn.q_proj) is False and attn.k_proj.weight.dtype == torch.float32
+    ids = prompt(1, 9)
+    want = greedy(_reference(model), ids)
+    gemma4opt.optimize(model, Gemma4OptConfig(**PAGED))
+    assert torch.equal(greedy(model, ids), want)
+    assert adopted(attn.q_proj) and not adopted(attn.k_proj)
+    assert MERGED_ATTR not in vars(attn) and MERGED_ATTR not in vars(mlp)

@@ -100,13 +100,17 @@ def _variants():
                         sdn="i32"),
                    dict(TOPK=8, J=8, BLOCK_N=dn_n, BLOCK_K=256, COMPILED=True, FP8=fp8, PDL=True, PIPE=pipe), dn_w)
     # FineGrainedFP8 linears: every autotuned tile (128 x 128 blocks), bf16 activations quantized in the kernel.
-    fb = dict(X=BF16, W="*fp8e4nv", WS="*fp32", Y=BF16, P="*fp32", M="i32", N="i32", K="i32", sxm="i32", swn="i32",
-              swsn="i32", sym="i32", ROWS="i32")
+    fb = dict(X=BF16, W="*fp8e4nv", WS="*fp32", Y=BF16, P="*fp32", IDX="*i64", M="i32", N="i32", K="i32", sxm="i32",
+              swn="i32", swsn="i32", sym="i32", swe="i32", swse="i32", ROWS="i32")
     for c in fp8_block_linear._configs():
         kw = c.kwargs
         yield (f"fp8_block_linear {kw['BLOCK_M']}x{kw['BLOCK_N']}/{kw['SPLIT_K']} swap={kw['SWAP']} "
                f"w{c.num_warps} s{c.num_stages}", fp8_block_linear._fp8_block_linear_kernel, fb,
                dict(kw, BN_W=128, BLOCK_K=128, COMPILED=True, PDL=True), c.num_warps, c.num_stages)
+    # its MoE pairs (one (token, expert) pair a program, top-8 as the 26b-a4b routes)
+    yield ("fp8_block_linear pairs 16x64 w4 s3", fp8_block_linear._fp8_block_linear_kernel, fb,
+           dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=1, SWAP=True, BN_W=128, BLOCK_K=128, COMPILED=True, PDL=True, TOPK=8),
+           4, 3)
 
 
 def _ptxas(ptx: str) -> dict:
@@ -134,7 +138,7 @@ def _compile(fn, types: dict, constexprs: dict, warps: int, stages: int = 3):
 
 
 _DIVISIBLE_INTS = ("N", "K", "swn", "sym", "sx", "sr", "ss", "sn", "D", "sxm", "sum_", "H", "I", "sxt", "sge", "sgn",
-                   "sde", "sdn", "swsn")
+                   "sde", "sdn", "swsn", "swe", "swse")
 
 
 def _rows():

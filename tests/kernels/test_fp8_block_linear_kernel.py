@@ -116,3 +116,51 @@ def test_autotuned_launch_binds_every_parameter_and_tunes_per_row_class(monkeypa
     assert {b["BLOCK_M"] for b in launches[:-1]} == classes
     assert all(b["BLOCK_K"] == 128 and b["BN_W"] == 128 for b in launches)
     assert len(launches) == 1 + sum(c.kwargs["BLOCK_M"] in classes for c in k._tuned.configs)
+
+
+def _experts(E, n, k_, bn, bk, seed):
+    g = torch.Generator().manual_seed(seed)
+    qs = [quantize_blocks_reference(torch.randn(n, k_, generator=g) / k_ ** 0.5, bn, bk) for _ in range(E)]
+    return torch.stack([q for q, _ in qs]).to(DEVICE), torch.stack([s for _, s in qs]).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,topk,E,H,I,bn,bk", [(1, 2, 5, 64, 48, 16, 32), (3, 2, 4, 70, 40, 32, 32),
+                                                  (6, 3, 7, 96, 64, 64, 64)])
+def test_moe_pairs_equal_the_experts_reference(dtype, T, topk, E, H, I, bn, bk):
+    """FP8Experts at decode (ops/moe_experts_fp8_block.py's CUDA path, run here by the interpreter):
+    the pairs GEMM for gate_up and down around gelu_tanh_mul, each (token, expert) pair reading its
+    expert's tiles (experts shared by several tokens, H and I not whole blocks), against transformers'
+    loop over experts in the reference; their fp32 sums differ in order only. In bf16 that order may
+    round a gate_up output to the neighbouring bf16 value, and down's input quantization carries that
+    to the whole group's scale or to the next e4m3 step of an element (2^-4 of it): outputs move by a
+    bf16 step or two on average, none by more than 2^-4 of the largest (the fp32 case checks the math)."""
+    from gemma4opt.ops.fp8_block import moe_experts_fp8_block_reference
+    from gemma4opt.ops.moe_experts_fp8_block import moe_pairs
+
+    gu, gus = _experts(E, 2 * I, H, bn, bk, seed=T)
+    dn, dns = _experts(E, H, I, bn, bk, seed=T + 1)
+    g = torch.Generator().manual_seed(T)
+    x = (torch.randn(T, H, generator=g) * 2).to(dtype).to(DEVICE)
+    idx = torch.stack([torch.randperm(E, generator=g)[:topk] for _ in range(T)]).to(DEVICE)
+    w = torch.rand(T, topk, generator=g).to(DEVICE)
+    got = moe_pairs(x, idx, w, gu, gus, dn, dns, bn, bk)
+    want = moe_experts_fp8_block_reference(x, idx, w, gu, gus, dn, dns, bn, bk)
+    assert got.shape == x.shape and got.dtype == dtype
+    if dtype == torch.float32:
+        close(got, want, dtype)
+    else:
+        err, scale = (got.float() - want.float()).abs(), want.float().abs()
+        assert err.max() <= 2 ** -4 * scale.max() and err.mean() <= 2 ** -5 * scale.mean(), (err.max(), err.mean())
+
+
+def test_moe_pairs_refuse_mismatched_operands():
+    gu, gus = _experts(3, 64, 64, 32, 32, seed=0)
+    x = torch.randn(2, 64).to(DEVICE)
+    idx = torch.tensor([0, 2, 1, 1]).to(DEVICE)
+    with pytest.raises(ValueError, match="4 pairs of 2 rows x top-1"):
+        k.fp8_block_pairs_triton(x, idx, 1, gu, gus, 32, 32)
+    with pytest.raises(ValueError, match="scales"):
+        k.fp8_block_pairs_triton(x, idx, 2, gu, gus[:, :1], 32, 32)
+    with pytest.raises(ValueError, match="block_k 48"):
+        k.fp8_block_pairs_triton(x, idx, 2, gu, gus, 32, 48)
