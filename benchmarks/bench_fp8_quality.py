@@ -16,9 +16,9 @@ router, PLE kept), over ``--batch x --seq`` random tokens (>= 512 positions):
   `kernels` hub, which an offline machine cannot load;
 - ``gemma4opt-finegrained-fp8`` (not a default system): the model as transformers' FineGrainedFP8
   loading leaves it (presets.finegrained_fp8_: its own module swap and weight quantizer), run by
-  ``optimize(model)``: the block-scaled GEMM on the checkpoint's bytes, the anchor's scheme; its
-  experts too where their dims are whole blocks (the 26b-a4b's 704 wants ``--block 64``), else
-  in the model's dtype (presets.checkpoint_skip);
+  ``optimize(model)``: the block-scaled GEMM on the checkpoint's bytes, the anchor's scheme where
+  the dims are whole blocks (transformers leaves a weight that is not in the model's dtype: the
+  26b-a4b's dense MLP and experts' down at 128);
 - ``fp8-channel-weights-group-acts``, ``fp8-block-weights-token-acts``: the anchor with one side in
   gemma4opt's scheme (not default systems): which side a difference between the two comes from.
 Per system: the mean KL(p_ref || p_fp8) over positions and the top-1 agreement with the reference.
@@ -36,7 +36,7 @@ import torch
 import gemma4opt
 from gemma4opt.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_MIN
 from gemma4opt.ops.fp8_weights import QUANTIZED_BLOCKS, quantize_linears
-from gemma4opt.presets import ALL_PRESETS, build_model, checkpoint_skip, finegrained_fp8_
+from gemma4opt.presets import ALL_PRESETS, build_model, finegrained_fp8_
 
 
 ANCHOR = "hf-finegrained-fp8"      # measured first (the default order): later rows say how far from it
@@ -180,7 +180,7 @@ def main(argv=None):
             gemma4opt.optimize(m, gemma4opt.Gemma4OptConfig(quantization="fp8",
                                                              quantize_lm_head=system == "gemma4opt-fp8-head"))
         elif system == "gemma4opt-finegrained-fp8":
-            finegrained_fp8_(m, (args.block, args.block), skip=checkpoint_skip(cfg, args.block))
+            finegrained_fp8_(m, (args.block, args.block), skip=("lm_head",))
             gemma4opt.optimize(m)
         elif system == "fp8-reference":
             quantize_linears(m)

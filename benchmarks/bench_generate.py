@@ -29,7 +29,7 @@ from gemma4opt.kernels.paged_decode import set_early_reads  # noqa: E402
 from gemma4opt.kernels.skinny_linear import use_tiles  # noqa: E402
 from gemma4opt.ops.state import MARGINS  # noqa: E402
 from gemma4opt.patterns import PATTERN_NAMES  # noqa: E402
-from gemma4opt.presets import ALL_PRESETS, build_model, checkpoint_skip, finegrained_fp8_  # noqa: E402
+from gemma4opt.presets import ALL_PRESETS, build_model, finegrained_fp8_  # noqa: E402
 from roofline import copy_bandwidth, kv_bytes_per_step, weight_bytes_per_step  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -189,8 +189,7 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      "gemma4opt-paged-nopdl": dict(attention="paged", pdl=False),
                      # FP8 (e4m3) weights of the attention and dense-MLP projections; "-kv8": and the KV pool.
                      "gemma4opt-fp8": dict(quantization="fp8"),
-                     # A FineGrainedFP8 checkpoint (--fp8-block; the lm_head kept, and experts whose dims are
-                     # not whole blocks: presets.checkpoint_skip) run by gemma4opt
+                     # A FineGrainedFP8 checkpoint (--fp8-block; the lm_head kept in bf16) run by gemma4opt
                      "gemma4opt-finegrained-fp8": dict(checkpoint="finegrained-fp8"),
                      "gemma4opt-fp8-kv8": dict(quantization="fp8", kv_cache_dtype="fp8"),
                      # And the lm_head in fp8 (an fp8 copy beside the tied bf16 embedding table).
@@ -257,7 +256,7 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         for tiles in (moe_experts.TILES, moe_experts.TILES_FP8):
             tiles.update(gu_pipe=moe_pipe, dn_pipe=moe_pipe)
         if opts.pop("checkpoint", None):
-            finegrained_fp8_(sys_model, (args.fp8_block, args.fp8_block), skip=checkpoint_skip(cfg, args.fp8_block))
+            finegrained_fp8_(sys_model, (args.fp8_block, args.fp8_block), skip=("lm_head",))
         margins = dict(MARGINS)
         MARGINS.update(opts.pop("margins", {}))     # read when optimize() makes the model's op state
         if opts.get("attention") == "paged":     # tuned: a pool for exactly this run's batches and lengths

@@ -146,10 +146,3 @@ def finegrained_fp8_(model: torch.nn.Module, block_size=(128, 128), skip=("lm_he
     model.config.quantization_config = cfg
     return model
 
-
-def checkpoint_skip(config, block: int) -> tuple[str, ...]:
-    """What finegrained_fp8_ leaves unconverted for a runnable checkpoint at this block: the lm_head, and
-    the MoE experts where their dims are not whole blocks (transformers would leave a side of them in
-    bf16, which gemma4opt's experts op does not take, and their own forward needs the `kernels` hub)."""
-    moe = getattr(config, "enable_moe_block", False) and (config.moe_intermediate_size % block or config.hidden_size % block)
-    return ("lm_head", "experts") if moe else ("lm_head",)

@@ -14,6 +14,10 @@ Row classes: 1-16 rows (padded to 16) and 17-32 take W's rows as the dot's M sid
 kernels/fp8_linear.py), optionally split along K in whole groups (fp32 partials summed in split
 order by skinny_linear's split-sum kernel); more rows take 64-128-row tiles of x. The tile is
 autotuned per (N, K, block_n, row class) on the first call.
+
+MoE pairs (``fp8_block_pairs_triton``, transformers' FP8Experts at decode): one (token, expert) pair a
+program, its weight and scales found through the expert index (TOPK > 0); a stack that transformers
+left in the model's dtype runs the same tiles without the quantization and scales (FP8_W=False).
 """
 from __future__ import annotations
 
@@ -31,23 +35,32 @@ BLOCK_KS = (32, 64, 128, 256)       # the checkpoint block_k values the kernel t
 
 @triton.jit
 def _group_tile(acc, X, w_rows, s_rows, k0, K, nmask, m, mmask, sxm,
-                BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr):
-    """acc += (quantized x group [m, k0:k0+BLOCK_K]) @ W_q[rows, group]^T * both scales (SWAP: transposed)."""
+                BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr, FP8_W: tl.constexpr):
+    """acc += (quantized x group [m, k0:k0+BLOCK_K]) @ W_q[rows, group]^T * both scales (SWAP: transposed).
+    FP8_W=False: a weight transformers left in the model's dtype, x @ W^T as it is (F.linear's math)."""
     k = k0 + tl.arange(0, BLOCK_K)
     kmask = k < K
-    x = tl.load(X + m[:, None] * sxm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-    xs = fp8_row_scale(tl.max(tl.abs(x), axis=1))              # [BLOCK_M]: masked lanes are 0
-    xq = fp8_quantize(x, xs[:, None])
+    xmask = mmask[:, None] & kmask[None, :]
     w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-    ws = tl.load(s_rows + k0 // BLOCK_K, mask=nmask, other=0.0)     # [BLOCK_N]
-    if not COMPILED:        # the interpreter's dot takes fp32 (e4m3 values are exact in it)
-        xq, w = xq.to(tl.float32), w.to(tl.float32)
-    # max_num_imprecise_acc=32: kernels/fp8_linear.py's _k_tile says why (a K = 32 wgmma's partial
-    # goes to fp32 at once).
-    if SWAP:
-        acc += tl.dot(w, tl.trans(xq), max_num_imprecise_acc=32) * ws[:, None] * xs[None, :]
+    if FP8_W:
+        x = tl.load(X + m[:, None] * sxm + k[None, :], mask=xmask, other=0.0).to(tl.float32)
+        xs = fp8_row_scale(tl.max(tl.abs(x), axis=1))              # [BLOCK_M]: masked lanes are 0
+        xq = fp8_quantize(x, xs[:, None])
+        ws = tl.load(s_rows + k0 // BLOCK_K, mask=nmask, other=0.0)     # [BLOCK_N]
+        if not COMPILED:        # the interpreter's dot takes fp32 (e4m3 values are exact in it)
+            xq, w = xq.to(tl.float32), w.to(tl.float32)
+        # max_num_imprecise_acc=32: kernels/fp8_linear.py's _k_tile says why (a K = 32 wgmma's partial
+        # goes to fp32 at once).
+        if SWAP:
+            acc += tl.dot(w, tl.trans(xq), max_num_imprecise_acc=32) * ws[:, None] * xs[None, :]
+        else:
+            acc += tl.dot(xq, tl.trans(w), max_num_imprecise_acc=32) * xs[:, None] * ws[None, :]
     else:
-        acc += tl.dot(xq, tl.trans(w), max_num_imprecise_acc=32) * xs[:, None] * ws[None, :]
+        x = tl.load(X + m[:, None] * sxm + k[None, :], mask=xmask, other=0.0)
+        if SWAP:
+            acc += tl.dot(w, tl.trans(x))
+        else:
+            acc += tl.dot(x, tl.trans(w))
     return acc
 
 
@@ -55,7 +68,7 @@ def _group_tile(acc, X, w_rows, s_rows, k0, K, nmask, m, mmask, sxm,
 def _fp8_block_linear_kernel(X, W, WS, Y, P, IDX, M, N, K, sxm, swn, swsn, sym, swe, swse, ROWS, BN_W: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr = False,
-                             PDL: tl.constexpr = False, TOPK: tl.constexpr = 0):
+                             PDL: tl.constexpr = False, TOPK: tl.constexpr = 0, FP8_W: tl.constexpr = True):
     # ROWS (the row class) is not read: it keys the autotuner's choice. BN_W: the checkpoint's block_n.
     # TOPK > 0: MoE (token, expert) pairs, one a program (program_id(2)): pair p multiplies x's row
     # p // TOPK by expert IDX[p]'s weight (W and WS strided by swe, swse per expert) into Y's row p.
@@ -84,11 +97,11 @@ def _fp8_block_linear_kernel(X, W, WS, Y, P, IDX, M, N, K, sxm, swn, swsn, sym, 
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if COMPILED:
         for k0 in range(lo, hi, BLOCK_K):
-            acc = _group_tile(acc, X, w_rows, s_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_K, COMPILED, SWAP)
+            acc = _group_tile(acc, X, w_rows, s_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_K, COMPILED, SWAP, FP8_W)
     else:           # the interpreter takes no runtime range() bound
         k0 = lo
         while k0 < hi:
-            acc = _group_tile(acc, X, w_rows, s_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_K, COMPILED, SWAP)
+            acc = _group_tile(acc, X, w_rows, s_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_K, COMPILED, SWAP, FP8_W)
             k0 += BLOCK_K
     if SWAP:
         mo, no = m[None, :], n[:, None]
@@ -126,7 +139,7 @@ def _keep(configs, named_args, **kwargs):
     return [c for c in configs if c.kwargs["BLOCK_M"] in want]
 
 
-_tuned = triton.autotune(configs=_configs(), key=["N", "K", "ROWS", "BN_W", "BLOCK_K"], do_bench=bench_short,
+_tuned = triton.autotune(configs=_configs(), key=["N", "K", "ROWS", "BN_W", "BLOCK_K", "FP8_W"], do_bench=bench_short,
                          post_hook=_sum_splits, prune_configs_by={"early_config_prune": _keep})(_fp8_block_linear_kernel)
 
 
@@ -182,24 +195,28 @@ def fp8_block_pairs_triton(x: torch.Tensor, idx: torch.Tensor, topk: int, w_fp8:
     """MoE (token, expert) pairs: x [T, K] (or [P, K] with topk=1), idx [P] the expert of each pair
     (P = T * topk, pair p reads x's row p // topk), stacked experts w_fp8 [E, N, K] with tile scales
     [E, ceil(N / block_n), ceil(K / block_k)] -> [P, N] in x's dtype: each pair's row through its
-    expert's block-scaled GEMM (one pair a program, its row padded to the MMA's 16)."""
+    expert's block-scaled GEMM (one pair a program, its row padded to the MMA's 16). A stack in x's
+    dtype (transformers leaves one that is not whole blocks unquantized): x @ W^T, its scales unread."""
     E, N, K = w_fp8.shape
     P = idx.numel()
-    if block_k not in BLOCK_KS or x.shape[-1] != K or w_fp8.stride(-1) != 1 or x.stride(-1) != 1:
-        raise ValueError(f"gemma4opt fp8_block_pairs: x {tuple(x.shape)}, experts {tuple(w_fp8.shape)} (block_k "
-                         f"{block_k}: the kernel takes {BLOCK_KS}, unit strides along K)")
-    if tuple(w_scale_inv.shape) != (E, triton.cdiv(N, block_n), triton.cdiv(K, block_k)) or \
-            w_scale_inv.dtype != torch.float32 or x.shape[0] * topk != P:
+    fp8 = w_fp8.dtype == torch.float8_e4m3fn
+    if block_k not in BLOCK_KS or x.shape[-1] != K or w_fp8.stride(-1) != 1 or x.stride(-1) != 1 or \
+            not (fp8 or w_fp8.dtype == x.dtype):
+        raise ValueError(f"gemma4opt fp8_block_pairs: x {tuple(x.shape)} {x.dtype}, experts {tuple(w_fp8.shape)} "
+                         f"{w_fp8.dtype} (block_k {block_k}: the kernel takes {BLOCK_KS}, unit strides along K)")
+    want = (E, triton.cdiv(N, block_n), triton.cdiv(K, block_k))
+    if (fp8 and (tuple(w_scale_inv.shape) != want or w_scale_inv.dtype != torch.float32)) or x.shape[0] * topk != P:
         raise ValueError(f"gemma4opt fp8_block_pairs: scales {tuple(w_scale_inv.shape)} {w_scale_inv.dtype}, "
                          f"{P} pairs of {x.shape[0]} rows x top-{topk}")
-    ws = w_scale_inv.contiguous()
+    # (a stack in x's dtype reads no scales: any fp32 tensor of 3 dims stands in)
+    ws = w_scale_inv.contiguous() if fp8 else torch.zeros(1, 1, 1, dtype=torch.float32, device=x.device)
     idx = idx.reshape(P).contiguous()
     y = torch.empty(P, N, dtype=x.dtype, device=x.device)
     if P and N:
         part = torch.empty(0, dtype=torch.float32, device=x.device)     # no splits
         args = (x, w_fp8, ws, y, part, idx, P, N, K, x.stride(0), w_fp8.stride(1), ws.stride(1), y.stride(0),
                 w_fp8.stride(0), ws.stride(0), 0)
-        flags = dict(BN_W=block_n, BLOCK_K=block_k, COMPILED=_COMPILED, TOPK=topk, **pdl_flags(y))
+        flags = dict(BN_W=block_n, BLOCK_K=block_k, COMPILED=_COMPILED, TOPK=topk, FP8_W=fp8, **pdl_flags(y))
         if _COMPILED:
             _tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), 1, P)](*args, **flags)
         else:

@@ -72,17 +72,22 @@ def fp8_block_linear_reference(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv
 
 def moe_experts_fp8_block_reference(x, top_k_index, top_k_weights, gate_up, gate_up_scale_inv, down,
                                     down_scale_inv, block_n: int, block_k: int, linear=fp8_block_linear_reference):
-    """transformers' FP8Experts (a FineGrainedFP8 MoE checkpoint, gelu-tanh gate) in plain torch: each
+    """transformers' FP8Experts (a FineGrainedFP8 MoE checkpoint, gelu-tanh gate) in plain torch (a
+    stack left in x's dtype by the checkpoint multiplies as it is, its scales unread): each
     expert that has tokens, in ascending order, runs its tokens through the block-scaled gate_up
     [E, 2I, H] and down [E, H, I] (``linear``: this file's reference, or a kernel with its semantics),
     gelu_tanh(gate) * up in x's dtype between them; the outputs times the routing weight (in x's
     dtype) are added per token in fp32, expert after expert, then rounded to x's dtype."""
     I = gate_up.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+
+    def side(inp, w, s):      # a stack transformers left unquantized (not whole blocks): F.linear, as FP8Experts
+        return linear(inp, w, s, block_n, block_k) if w.dtype == FP8_DTYPE else torch.nn.functional.linear(inp, w)
+
     for e in torch.unique(top_k_index).tolist():
         t, j = torch.nonzero(top_k_index == e, as_tuple=True)
-        gu = linear(x[t], gate_up[e], gate_up_scale_inv[e], block_n, block_k)
+        gu = side(x[t], gate_up[e], gate_up_scale_inv[e] if gate_up.dtype == FP8_DTYPE else None)
         act = torch.nn.functional.gelu(gu[:, :I], approximate="tanh") * gu[:, I:]
-        y = linear(act, down[e], down_scale_inv[e], block_n, block_k)
+        y = side(act, down[e], down_scale_inv[e] if down.dtype == FP8_DTYPE else None)
         out.index_add_(0, t, (y * top_k_weights[t, j, None].to(y.dtype)).float())
     return out.to(x.dtype)

@@ -75,22 +75,34 @@ def experts_unsupported(m) -> str | None:
         return f"weight_block_size {block}: gemma4opt's kernel takes block scales with a block_k of " \
                f"{', '.join(map(str, BLOCK_KS))}"
     block_n, block_k = (int(b) for b in block)
+    dtypes = set()
     for name in ("gate_up_proj", "down_proj"):
         w, s = getattr(m, name, None), getattr(m, name + "_scale_inv", None)
-        if w is None or w.dtype != FP8_DTYPE or w.dim() != 3:
-            return f"{name} is not a stack of e4m3 weights"
+        if w is None or w.dim() != 3 or w.stride(-1) != 1:
+            return f"{name} is not a stack of weights with unit stride along K"
+        dtypes.add(w.dtype)
+        if w.dtype != FP8_DTYPE:        # left unquantized by the checkpoint (not whole blocks): F.linear
+            continue
         E, N, K = w.shape
         want = (E, -(-N // block_n), -(-K // block_k))
-        if s is None or s.dtype != torch.float32 or tuple(s.shape) != want or w.stride(-1) != 1:
+        if s is None or s.dtype != torch.float32 or tuple(s.shape) != want:
             return f"{name}_scale_inv {tuple(getattr(s, 'shape', ()))} {getattr(s, 'dtype', None)} (want {want} float32)"
+    if len(dtypes - {FP8_DTYPE}) > 1:
+        return f"stacks in {sorted(str(d) for d in dtypes)}"
     return None
+
+
+def _scales(w: torch.Tensor, s) -> torch.Tensor:
+    # a stack left unquantized reads no scales (its parameter may be None or never loaded): an empty stand-in
+    return s if w.dtype == FP8_DTYPE else w.new_empty(0, dtype=torch.float32)
 
 
 def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
     block_n, block_k = (int(b) for b in self.block_size)
     return torch.ops.gemma4opt.moe_experts_fp8_block.default(
-        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.gate_up_proj_scale_inv, self.down_proj,
-        self.down_proj_scale_inv, block_n, block_k)
+        hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
+        _scales(self.gate_up_proj, self.gate_up_proj_scale_inv), self.down_proj,
+        _scales(self.down_proj, self.down_proj_scale_inv), block_n, block_k)
 
 
 def _block_forward(self, input: torch.Tensor) -> torch.Tensor:

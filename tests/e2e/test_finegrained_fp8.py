@@ -113,6 +113,20 @@ def test_fp8_experts_run_gemma4opts_op_and_are_reported():
     assert all(c["gemma4opt.moe_experts_fp8_block"] == 4 for c in model._gemma4opt.pass_manager.op_counts)
 
 
+def test_fp8_experts_with_a_stack_left_unquantized_run_it_as_transformers_does():
+    """tiny-moe's own 16-wide experts at 32 x 32 blocks: transformers quantizes gate_up [E, 32, 64]
+    and leaves down [E, 64, 16] in fp32 (F.linear in FP8Experts' forward): both run by gemma4opt's op,
+    generate's tokens those of the reference path."""
+    model = finegrained_fp8_(tiny("tiny-moe"), (32, 32))
+    experts = [m for m in model.modules() if type(m).__name__ == "FP8Experts"]
+    assert all(e.gate_up_proj.dtype == FP8_DTYPE and e.down_proj.dtype == torch.float32 for e in experts)
+    ids = prompt(2, 9)
+    want = greedy(_reference(model), ids)
+    gemma4opt.optimize(model, Gemma4OptConfig(**PAGED))
+    assert torch.equal(greedy(model, ids), want)
+    assert all(adopted(e) for e in experts)
+
+
 def test_fp8_experts_the_op_does_not_take_keep_their_own_forward_with_the_reason():
     model = _checkpoint("tiny-moe")
     experts = next(m for m in model.modules() if type(m).__name__ == "FP8Experts")

@@ -107,10 +107,13 @@ def _variants():
         yield (f"fp8_block_linear {kw['BLOCK_M']}x{kw['BLOCK_N']}/{kw['SPLIT_K']} swap={kw['SWAP']} "
                f"w{c.num_warps} s{c.num_stages}", fp8_block_linear._fp8_block_linear_kernel, fb,
                dict(kw, BN_W=128, BLOCK_K=128, COMPILED=True, PDL=True), c.num_warps, c.num_stages)
-    # its MoE pairs (one (token, expert) pair a program, top-8 as the 26b-a4b routes)
-    yield ("fp8_block_linear pairs 16x64 w4 s3", fp8_block_linear._fp8_block_linear_kernel, fb,
-           dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=1, SWAP=True, BN_W=128, BLOCK_K=128, COMPILED=True, PDL=True, TOPK=8),
-           4, 3)
+    # its MoE pairs (one (token, expert) pair a program, top-8 as the 26b-a4b routes), e4m3 experts and a
+    # stack left in bf16 (the 26b-a4b's down at 128 x 128 blocks)
+    for fp8_w in (True, False):
+        yield (f"fp8_block_linear pairs 16x64 w4 s3 fp8_w={fp8_w}", fp8_block_linear._fp8_block_linear_kernel,
+               dict(fb, W="*fp8e4nv" if fp8_w else BF16),
+               dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=1, SWAP=True, BN_W=128, BLOCK_K=128, COMPILED=True, PDL=True,
+                    TOPK=8, FP8_W=fp8_w), 4, 3)
 
 
 def _ptxas(ptx: str) -> dict:

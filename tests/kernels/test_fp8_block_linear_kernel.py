@@ -154,6 +154,24 @@ def test_moe_pairs_equal_the_experts_reference(dtype, T, topk, E, H, I, bn, bk):
         assert err.max() <= 2 ** -4 * scale.max() and err.mean() <= 2 ** -5 * scale.mean(), (err.max(), err.mean())
 
 
+def test_moe_pairs_with_a_stack_left_in_the_model_dtype():
+    """down [E, H, I] left unquantized by the checkpoint (I = 40, not whole 32-blocks): the pairs GEMM
+    multiplies it as it is (F.linear's math), its scales unread; gate_up in fp8 as above."""
+    from gemma4opt.ops.fp8_block import moe_experts_fp8_block_reference
+    from gemma4opt.ops.moe_experts_fp8_block import moe_pairs
+
+    E, H, I, T, topk = 5, 64, 40, 3, 2
+    gu, gus = _experts(E, 2 * I, H, 32, 32, seed=3)
+    g = torch.Generator().manual_seed(4)
+    dn = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(DEVICE)
+    x = torch.randn(T, H, generator=g).to(DEVICE)
+    idx = torch.stack([torch.randperm(E, generator=g)[:topk] for _ in range(T)]).to(DEVICE)
+    w = torch.rand(T, topk, generator=g).to(DEVICE)
+    none = torch.empty(0).to(DEVICE)
+    got = moe_pairs(x, idx, w, gu, gus, dn, none, 32, 32)
+    close(got, moe_experts_fp8_block_reference(x, idx, w, gu, gus, dn, none, 32, 32), torch.float32)
+
+
 def test_moe_pairs_refuse_mismatched_operands():
     gu, gus = _experts(3, 64, 64, 32, 32, seed=0)
     x = torch.randn(2, 64).to(DEVICE)
