@@ -113,18 +113,20 @@ def build_model(name: str = "tiny", layers: int | None = None, dtype=torch.float
     return randomize_(model.eval(), seed)
 
 
-def finegrained_fp8_(model: torch.nn.Module, block_size=(128, 128), skip=("lm_head",)) -> torch.nn.Module:
+def finegrained_fp8_(model: torch.nn.Module, block_size=(128, 128), skip=("lm_head",),
+                     scale_fmt: str = "float") -> torch.nn.Module:
     """The model, in place, as transformers leaves one loaded with ``FineGrainedFP8Config(weight_block_size=
     block_size)`` (no fp8 checkpoint can be downloaded here): transformers' own replace_with_fp8_linear
     swaps every nn.Linear but those ``skip`` names (and the MoE experts modules unless skipped) and its
     own Fp8Quantize makes each weight's e4m3 bytes and tile scales from the model's weights; a weight
-    whose shape is not a multiple of the block stays unquantized, as transformers leaves it."""
+    whose shape is not a multiple of the block stays unquantized, as transformers leaves it.
+    ``scale_fmt="ue8m0"``: the tile scales rounded up to powers of two, stored as float8_e8m0fnu."""
     import types
 
     from transformers import FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import Fp8Quantize, replace_with_fp8_linear
 
-    cfg = FineGrainedFP8Config(weight_block_size=tuple(block_size))
+    cfg = FineGrainedFP8Config(weight_block_size=tuple(block_size), scale_fmt=scale_fmt)
     weights = {k: v.detach() for k, v in model.state_dict().items()}
     device = next(model.parameters()).device
     replace_with_fp8_linear(model, modules_to_not_convert=list(skip), quantization_config=cfg)  # on "meta"

@@ -31,11 +31,20 @@ from gemma4opt.kernels.skinny_linear import _sum_splits, bench_short, k_range
 
 MAX_SPLIT = 4
 BLOCK_KS = (32, 64, 128, 256)       # the checkpoint block_k values the kernel takes (one K tile each)
+SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)     # weight_scale_inv: fp32, or UE8M0 (powers of two)
+
+
+def _scales(w_scale_inv: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The tile scales as the kernel reads them: fp32, or UE8M0's bytes (E8M0) as uint8."""
+    ws = w_scale_inv.contiguous()
+    e8m0 = ws.dtype == torch.float8_e8m0fnu
+    return (ws.view(torch.uint8) if e8m0 else ws), e8m0
 
 
 @triton.jit
 def _group_tile(acc, X, w_rows, s_rows, k0, K, nmask, m, mmask, sxm,
-                BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr, FP8_W: tl.constexpr):
+                BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr, FP8_W: tl.constexpr,
+                E8M0: tl.constexpr):
     """acc += (quantized x group [m, k0:k0+BLOCK_K]) @ W_q[rows, group]^T * both scales (SWAP: transposed).
     FP8_W=False: a weight transformers left in the model's dtype, x @ W^T as it is (F.linear's math)."""
     k = k0 + tl.arange(0, BLOCK_K)
@@ -46,7 +55,9 @@ def _group_tile(acc, X, w_rows, s_rows, k0, K, nmask, m, mmask, sxm,
         x = tl.load(X + m[:, None] * sxm + k[None, :], mask=xmask, other=0.0).to(tl.float32)
         xs = fp8_row_scale(tl.max(tl.abs(x), axis=1))              # [BLOCK_M]: masked lanes are 0
         xq = fp8_quantize(x, xs[:, None])
-        ws = tl.load(s_rows + k0 // BLOCK_K, mask=nmask, other=0.0)     # [BLOCK_N]
+        ws = tl.load(s_rows + k0 // BLOCK_K, mask=nmask, other=0)     # [BLOCK_N]
+        if E8M0:                # UE8M0 scales (scale_fmt="ue8m0"): the byte b is 2^(b - 127)
+            ws = tl.exp2(ws.to(tl.float32) - 127.0)
         if not COMPILED:        # the interpreter's dot takes fp32 (e4m3 values are exact in it)
             xq, w = xq.to(tl.float32), w.to(tl.float32)
         # max_num_imprecise_acc=32: kernels/fp8_linear.py's _k_tile says why (a K = 32 wgmma's partial
@@ -68,7 +79,8 @@ def _group_tile(acc, X, w_rows, s_rows, k0, K, nmask, m, mmask, sxm,
 def _fp8_block_linear_kernel(X, W, WS, Y, P, IDX, M, N, K, sxm, swn, swsn, sym, swe, swse, ROWS, BN_W: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr = False,
-                             PDL: tl.constexpr = False, TOPK: tl.constexpr = 0, FP8_W: tl.constexpr = True):
+                             PDL: tl.constexpr = False, TOPK: tl.constexpr = 0, FP8_W: tl.constexpr = True,
+                             E8M0: tl.constexpr = False):
     # ROWS (the row class) is not read: it keys the autotuner's choice. BN_W: the checkpoint's block_n.
     # TOPK > 0: MoE (token, expert) pairs, one a program (program_id(2)): pair p multiplies x's row
     # p // TOPK by expert IDX[p]'s weight (W and WS strided by swe, swse per expert) into Y's row p.
@@ -97,11 +109,13 @@ def _fp8_block_linear_kernel(X, W, WS, Y, P, IDX, M, N, K, sxm, swn, swsn, sym, 
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if COMPILED:
         for k0 in range(lo, hi, BLOCK_K):
-            acc = _group_tile(acc, X, w_rows, s_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_K, COMPILED, SWAP, FP8_W)
+            acc = _group_tile(acc, X, w_rows, s_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_K, COMPILED, SWAP, FP8_W,
+                              E8M0)
     else:           # the interpreter takes no runtime range() bound
         k0 = lo
         while k0 < hi:
-            acc = _group_tile(acc, X, w_rows, s_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_K, COMPILED, SWAP, FP8_W)
+            acc = _group_tile(acc, X, w_rows, s_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_K, COMPILED, SWAP, FP8_W,
+                              E8M0)
             k0 += BLOCK_K
     if SWAP:
         mo, no = m[None, :], n[:, None]
@@ -161,17 +175,17 @@ def fp8_block_linear_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: t
         raise ValueError(f"gemma4opt fp8_block_linear: weight {tuple(w_fp8.shape)} (stride {w_fp8.stride()}) "
                          f"does not match x [..., {K}] with unit stride along K")
     grid_s = (triton.cdiv(N, block_n), triton.cdiv(K, block_k))
-    if tuple(w_scale_inv.shape) != grid_s or w_scale_inv.dtype != torch.float32:
+    if tuple(w_scale_inv.shape) != grid_s or w_scale_inv.dtype not in SCALE_DTYPES:
         raise ValueError(f"gemma4opt fp8_block_linear: weight_scale_inv {tuple(w_scale_inv.shape)} "
                          f"{w_scale_inv.dtype} for a [{N}, {K}] weight in ({block_n}, {block_k}) blocks: "
-                         f"want {grid_s} float32")
-    ws = w_scale_inv.contiguous()
+                         f"want {grid_s} float32 or float8_e8m0fnu")
+    ws, e8m0 = _scales(w_scale_inv)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M and N:
         part = torch.empty(MAX_SPLIT * M * N if M <= 32 else 0, dtype=torch.float32, device=x.device)
         args = (x2, w_fp8, ws, y, part, ws, M, N, K, x2.stride(0), w_fp8.stride(0), ws.stride(0), y.stride(0), 0, 0,
                 row_class(M))
-        flags = dict(BN_W=block_n, BLOCK_K=block_k, COMPILED=_COMPILED, **pdl_flags(y))
+        flags = dict(BN_W=block_n, BLOCK_K=block_k, COMPILED=_COMPILED, E8M0=e8m0, **pdl_flags(y))
         if config is None and not _COMPILED:        # the interpreter runs one tile per row class
             config = dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=2, SWAP=True) if M <= 16 else dict(BLOCK_M=64, BLOCK_N=16)
         if config is None:
@@ -205,18 +219,19 @@ def fp8_block_pairs_triton(x: torch.Tensor, idx: torch.Tensor, topk: int, w_fp8:
         raise ValueError(f"gemma4opt fp8_block_pairs: x {tuple(x.shape)} {x.dtype}, experts {tuple(w_fp8.shape)} "
                          f"{w_fp8.dtype} (block_k {block_k}: the kernel takes {BLOCK_KS}, unit strides along K)")
     want = (E, triton.cdiv(N, block_n), triton.cdiv(K, block_k))
-    if (fp8 and (tuple(w_scale_inv.shape) != want or w_scale_inv.dtype != torch.float32)) or x.shape[0] * topk != P:
+    if (fp8 and (tuple(w_scale_inv.shape) != want or w_scale_inv.dtype not in SCALE_DTYPES)) or x.shape[0] * topk != P:
         raise ValueError(f"gemma4opt fp8_block_pairs: scales {tuple(w_scale_inv.shape)} {w_scale_inv.dtype}, "
                          f"{P} pairs of {x.shape[0]} rows x top-{topk}")
     # (a stack in x's dtype reads no scales: any fp32 tensor of 3 dims stands in)
-    ws = w_scale_inv.contiguous() if fp8 else torch.zeros(1, 1, 1, dtype=torch.float32, device=x.device)
+    ws, e8m0 = _scales(w_scale_inv) if fp8 else (torch.zeros(1, 1, 1, dtype=torch.float32, device=x.device), False)
     idx = idx.reshape(P).contiguous()
     y = torch.empty(P, N, dtype=x.dtype, device=x.device)
     if P and N:
         part = torch.empty(0, dtype=torch.float32, device=x.device)     # no splits
         args = (x, w_fp8, ws, y, part, idx, P, N, K, x.stride(0), w_fp8.stride(1), ws.stride(1), y.stride(0),
                 w_fp8.stride(0), ws.stride(0), 0)
-        flags = dict(BN_W=block_n, BLOCK_K=block_k, COMPILED=_COMPILED, TOPK=topk, FP8_W=fp8, **pdl_flags(y))
+        flags = dict(BN_W=block_n, BLOCK_K=block_k, COMPILED=_COMPILED, TOPK=topk, FP8_W=fp8, E8M0=e8m0,
+                     **pdl_flags(y))
         if _COMPILED:
             _tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), 1, P)](*args, **flags)
         else:

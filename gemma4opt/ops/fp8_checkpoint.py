@@ -33,7 +33,7 @@ def is_hf_fp8_linear(module) -> bool:
 
 def unsupported(lin) -> str | None:
     """Why gemma4opt's block-scaled GEMM cannot run this transformers FP8Linear, or None."""
-    from gemma4opt.kernels.fp8_block_linear import BLOCK_KS
+    from gemma4opt.kernels.fp8_block_linear import BLOCK_KS, SCALE_DTYPES
 
     w, s, block = lin.weight, getattr(lin, "weight_scale_inv", None), getattr(lin, "block_size", None)
     if w.dtype != FP8_DTYPE:
@@ -43,9 +43,9 @@ def unsupported(lin) -> str | None:
     block_n, block_k = (int(b) for b in block)
     if block_k not in BLOCK_KS:
         return f"weight_block_size {tuple(block)}: gemma4opt's kernel takes a block_k of {', '.join(map(str, BLOCK_KS))}"
-    if s is None or s.dtype != torch.float32:
-        return (f"{str(getattr(s, 'dtype', None)).replace('torch.', '')} weight scales (scale_fmt='ue8m0'): "
-                "gemma4opt takes float32 ones")
+    if s is None or s.dtype not in SCALE_DTYPES:
+        return (f"{str(getattr(s, 'dtype', None)).replace('torch.', '')} weight scales: gemma4opt takes float32 "
+                "and UE8M0 ones")
     N, K = w.shape
     want = (-(-N // block_n), -(-K // block_k))
     if tuple(s.shape) != want:
@@ -61,7 +61,7 @@ def unsupported(lin) -> str | None:
 
 def experts_unsupported(m) -> str | None:
     """Why gemma4opt's block-scaled experts op cannot run this transformers FP8Experts, or None."""
-    from gemma4opt.kernels.fp8_block_linear import BLOCK_KS
+    from gemma4opt.kernels.fp8_block_linear import BLOCK_KS, SCALE_DTYPES
 
     if not getattr(m, "has_gate", True) or getattr(m, "has_bias", False):
         return "experts without a gate or with a bias"
@@ -85,8 +85,9 @@ def experts_unsupported(m) -> str | None:
             continue
         E, N, K = w.shape
         want = (E, -(-N // block_n), -(-K // block_k))
-        if s is None or s.dtype != torch.float32 or tuple(s.shape) != want:
-            return f"{name}_scale_inv {tuple(getattr(s, 'shape', ()))} {getattr(s, 'dtype', None)} (want {want} float32)"
+        if s is None or s.dtype not in SCALE_DTYPES or tuple(s.shape) != want:
+            return (f"{name}_scale_inv {tuple(getattr(s, 'shape', ()))} {getattr(s, 'dtype', None)} (want {want} "
+                    "float32 or UE8M0)")
     if len(dtypes - {FP8_DTYPE}) > 1:
         return f"stacks in {sorted(str(d) for d in dtypes)}"
     return None

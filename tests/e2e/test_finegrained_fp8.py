@@ -82,6 +82,21 @@ def test_tokens_and_logits_equal_the_fp8_reference_path(variant, attention):
                for k, (d, v) in before.items())
 
 
+def test_ue8m0_scales_run_and_equal_the_reference_path():
+    """scale_fmt="ue8m0" (transformers rounds each tile's scale up to a power of two and stores its
+    exponent byte): adopted, the kernel reads the bytes; tokens and logits of the reference path."""
+    model = finegrained_fp8_(tiny("tiny"), (32, 32), scale_fmt="ue8m0")
+    lins = _fp8_linears(model)
+    assert lins and all(m.weight_scale_inv.dtype == torch.float8_e8m0fnu for m in lins)
+    ref = _reference(model)
+    ids = prompt(2, 9)
+    want = greedy(ref, ids)
+    gemma4opt.optimize(model, Gemma4OptConfig(**PAGED))
+    assert torch.equal(greedy(model, ids), want) and all(adopted(m) for m in lins)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
 def test_report_says_what_runs_which_forward():
     model = _checkpoint("tiny-ple-shared")
     gemma4opt.optimize(model, Gemma4OptConfig(**PAGED))
@@ -200,8 +215,8 @@ def test_loss_and_its_gradient_equal_the_reference_path():
     (lambda m: setattr(m, "activation_scheme", "static"), "activation_scheme='static'"),
     (lambda m: setattr(m, "block_size", (32, 48)), "gemma4opt's kernel takes a block_k of 32, 64, 128, 256"),
     (lambda m: setattr(m, "block_size", None), "one scale for the whole weight"),
-    (lambda m: setattr(m, "weight_scale_inv", torch.nn.Parameter(m.weight_scale_inv.to(torch.float8_e8m0fnu),
-                                                                   requires_grad=False)), "scale_fmt='ue8m0'"),
+    (lambda m: setattr(m, "weight_scale_inv", torch.nn.Parameter(m.weight_scale_inv.half(), requires_grad=False)),
+     "float16 weight scales: gemma4opt takes float32 and UE8M0 ones"),
     (lambda m: setattr(m, "weight_scale_inv", torch.nn.Parameter(m.weight_scale_inv[:1], requires_grad=False)),
      "weight_scale_inv (1, 2) for a (64, 64) weight"),
     (lambda m: setattr(m, "bias", torch.nn.Parameter(torch.zeros(64))), "a bias"),

@@ -107,6 +107,11 @@ def _variants():
         yield (f"fp8_block_linear {kw['BLOCK_M']}x{kw['BLOCK_N']}/{kw['SPLIT_K']} swap={kw['SWAP']} "
                f"w{c.num_warps} s{c.num_stages}", fp8_block_linear._fp8_block_linear_kernel, fb,
                dict(kw, BN_W=128, BLOCK_K=128, COMPILED=True, PDL=True), c.num_warps, c.num_stages)
+    # UE8M0 tile scales (their exponent bytes), at decode and prefill rows
+    for bm, bn, w in ((16, 64, 4), (64, 128, 8)):
+        yield (f"fp8_block_linear {bm}x{bn}/1 ue8m0", fp8_block_linear._fp8_block_linear_kernel, dict(fb, WS="*u8"),
+               dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, SWAP=bm <= 32, BN_W=128, BLOCK_K=128, COMPILED=True, PDL=True,
+                    E8M0=True), w, 3)
     # its MoE pairs (one (token, expert) pair a program, top-8 as the 26b-a4b routes), e4m3 experts and a
     # stack left in bf16 (the 26b-a4b's down at 128 x 128 blocks)
     for fp8_w in (True, False):

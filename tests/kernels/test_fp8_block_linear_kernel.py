@@ -54,6 +54,20 @@ def test_explicit_tiles_transposed_or_split(config, rows):
     _check(fp8_block_linear_triton(x, wq, ws, 16, 32, config), x, wq, ws, 16, 32)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_ue8m0_scales(rows):
+    """Tile scales as UE8M0 (powers of two, one exponent byte each: scale_fmt="ue8m0"), as the kernel
+    reads them (2^(b - 127)), for decode and prefill tiles."""
+    x, wq, ws = _operands(rows, 50, 96, 16, 32)
+    w = (wq.float() * ws.repeat_interleave(16, 0)[:50].repeat_interleave(32, 1)).cpu()
+    s = torch.exp2(torch.ceil(torch.log2(ws.cpu())))              # each tile's scale, rounded up
+    q = (w / s.repeat_interleave(16, 0)[:50].repeat_interleave(32, 1)).to(torch.float8_e4m3fn)
+    s8 = s.to(torch.float8_e8m0fnu)
+    assert torch.equal(s8.float(), s)
+    q, s8 = q.to(DEVICE), s8.to(DEVICE)
+    _check(fp8_block_linear_triton(x, q, s8, 16, 32), x, q, s8, 16, 32)
+
+
 def test_keeps_leading_dims_and_reads_a_strided_weight_row_block():
     """A decode step's [batch, 1, K] input; a weight whose rows are a block of a wider one (row stride
     of the whole) with that block's scales."""
@@ -81,7 +95,7 @@ def test_refuses_what_it_cannot_run_and_empty_inputs():
         fp8_block_linear_triton(x, wq, ws, 16, 48)
     with pytest.raises(ValueError, match="does not match"):
         fp8_block_linear_triton(x[:, :64], wq, ws, 16, 32)
-    with pytest.raises(ValueError, match=r"weight_scale_inv \(3, 3\).*want \(3, 3\) float32"):
+    with pytest.raises(ValueError, match=r"weight_scale_inv \(3, 3\).*want \(3, 3\) float32 or float8_e8m0fnu"):
         fp8_block_linear_triton(x, wq, ws[:, :3].double().contiguous(), 16, 32)
     with pytest.raises(ValueError, match="want"):
         fp8_block_linear_triton(x, wq, ws[:2], 16, 32)
