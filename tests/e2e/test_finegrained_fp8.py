@@ -5,21 +5,18 @@ run gemma4opt::fp8_block_linear, and generate's tokens and the logits equal the 
 kernel, which loads from the `kernels` hub and cannot run here). The modules stay transformers'
 (type, parameters, state_dict); only their forward, an instance attribute, is gemma4opt's, and
 optimize() takes it back with everything else."""
-import copy
-import types
-
 import pytest
 import torch
 
 import gemma4opt
 import gemma4opt.api as api
 from gemma4opt import Gemma4OptConfig
-from gemma4opt.ops.fp8 import FP8_DTYPE
-from gemma4opt.ops.fp8_block import fp8_block_linear_reference, moe_experts_fp8_block_reference
 from gemma4opt.edits import InstanceEdits
-from gemma4opt.ops.fp8_checkpoint import adopt_fp8_modules, adopted, experts_unsupported, is_hf_fp8_linear, unsupported
+from gemma4opt.ops.fp8 import FP8_DTYPE
+from gemma4opt.ops.fp8_checkpoint import (adopt_fp8_modules, adopted, experts_unsupported, is_hf_fp8_linear,
+                                          unsupported)
 from gemma4opt.presets import build_model, finegrained_fp8_
-from tests.models import VARIANTS, greedy, prompt, tiny
+from tests.models import VARIANTS, fp8_checkpoint_reference, greedy, prompt, tiny
 
 PAGED = dict(attention="paged", page_size=4, max_seq_len=96, max_batch_size=4)
 
@@ -30,28 +27,8 @@ def _checkpoint(variant="tiny", block=(32, 32)):
     return finegrained_fp8_(build_model(variant, **wide), block)
 
 
-def _ref_forward(self, x):
-    return fp8_block_linear_reference(x, self.weight, self.weight_scale_inv, *self.block_size)
-
-
 def _op_forward(self, x):
     return torch.ops.gemma4opt.fp8_block_linear(x, self.weight, self.weight_scale_inv, *self.block_size)
-
-
-def _ref_experts_forward(self, x, top_k_index, top_k_weights):
-    return moe_experts_fp8_block_reference(x, top_k_index, top_k_weights, self.gate_up_proj,
-                                           self.gate_up_proj_scale_inv, self.down_proj, self.down_proj_scale_inv,
-                                           *self.block_size)
-
-
-def _reference(model, forward=_ref_forward):
-    ref = copy.deepcopy(model)
-    for m in ref.modules():
-        if is_hf_fp8_linear(m) and m.weight.dtype == FP8_DTYPE:
-            m.forward = types.MethodType(forward, m)
-        elif type(m).__name__ == "FP8Experts":
-            m.forward = types.MethodType(_ref_experts_forward, m)
-    return ref
 
 
 def _fp8_linears(model):
@@ -61,7 +38,7 @@ def _fp8_linears(model):
 @pytest.mark.parametrize("variant,attention", [(v, "paged") for v in VARIANTS] + [("tiny", "hf")])
 def test_tokens_and_logits_equal_the_fp8_reference_path(variant, attention):
     model = _checkpoint(variant)
-    ref = _reference(model)
+    ref = fp8_checkpoint_reference(model)
     ids = prompt(2, 11)
     want = greedy(ref, ids)
     before = {k: (v.dtype, v.clone()) for k, v in model.state_dict().items()}
@@ -88,7 +65,7 @@ def test_ue8m0_scales_run_and_equal_the_reference_path():
     model = finegrained_fp8_(tiny("tiny"), (32, 32), scale_fmt="ue8m0")
     lins = _fp8_linears(model)
     assert lins and all(m.weight_scale_inv.dtype == torch.float8_e8m0fnu for m in lins)
-    ref = _reference(model)
+    ref = fp8_checkpoint_reference(model)
     ids = prompt(2, 9)
     want = greedy(ref, ids)
     gemma4opt.optimize(model, Gemma4OptConfig(**PAGED))
@@ -136,7 +113,7 @@ def test_fp8_experts_with_a_stack_left_unquantized_run_it_as_transformers_does()
     experts = [m for m in model.modules() if type(m).__name__ == "FP8Experts"]
     assert all(e.gate_up_proj.dtype == FP8_DTYPE and e.down_proj.dtype == torch.float32 for e in experts)
     ids = prompt(2, 9)
-    want = greedy(_reference(model), ids)
+    want = greedy(fp8_checkpoint_reference(model), ids)
     gemma4opt.optimize(model, Gemma4OptConfig(**PAGED))
     assert torch.equal(greedy(model, ids), want)
     assert all(adopted(e) for e in experts)
@@ -159,7 +136,7 @@ def test_fp8_experts_the_op_does_not_take_keep_their_own_forward_with_the_reason
 def test_optimize_again_and_a_failed_optimize_leave_transformers_forward():
     model = _checkpoint()
     ids = prompt(1, 9)
-    want = greedy(_reference(model), ids)
+    want = greedy(fp8_checkpoint_reference(model), ids)
     gemma4opt.optimize(model, Gemma4OptConfig(**PAGED))
     with pytest.warns(UserWarning, match="re-optimizing"):
         gemma4opt.optimize(model, Gemma4OptConfig(attention="hf"))
@@ -183,7 +160,7 @@ def test_optimize_again_and_a_failed_optimize_leave_transformers_forward():
 def test_quantization_fp8_keeps_the_checkpoints_fp8_and_says_so():
     model = _checkpoint()
     ids = prompt(2, 9)
-    want = greedy(_reference(model), ids)
+    want = greedy(fp8_checkpoint_reference(model), ids)
     gemma4opt.optimize(model, Gemma4OptConfig(quantization="fp8", **PAGED))
     assert torch.equal(greedy(model, ids), want)
     assert all(adopted(m) for m in _fp8_linears(model))
@@ -196,7 +173,7 @@ def test_loss_and_its_gradient_equal_the_reference_path():
     embedding's gradient of the unoptimized model whose FP8Linear forwards call the op (its backward:
     the input's gradient through the dequantized weight, as transformers' FP8Linear)."""
     model = _checkpoint()
-    ref = _reference(model, _op_forward)
+    ref = fp8_checkpoint_reference(model, _op_forward)
     ids = prompt(2, 9)
     gemma4opt.optimize(model, Gemma4OptConfig(**PAGED))
     losses, grads = [], []
@@ -241,7 +218,7 @@ def test_merged_scales_follow_edits_after_optimize():
     ids = prompt(2, 9)
     gemma4opt.optimize(model, Gemma4OptConfig(**PAGED))
     greedy(model, ids)
-    ref = _reference(model)
+    ref = fp8_checkpoint_reference(model)
     with torch.no_grad():
         before = ref(ids).logits
     for m in (model, ref):
@@ -269,7 +246,7 @@ def test_projections_merge_only_when_their_tiles_stack():
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert adopted(attn.q_proj) is False and attn.k_proj.weight.dtype == torch.float32
     ids = prompt(1, 9)
-    want = greedy(_reference(model), ids)
+    want = greedy(fp8_checkpoint_reference(model), ids)
     gemma4opt.optimize(model, Gemma4OptConfig(**PAGED))
     assert torch.equal(greedy(model, ids), want)
     assert adopted(attn.q_proj) and not adopted(attn.k_proj)

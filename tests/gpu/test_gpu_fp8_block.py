@@ -5,7 +5,6 @@ transformers' own replace_with_fp8_linear and Fp8Quantize, 128 x 128 blocks) aga
 modules run unoptimized with the reference as their forward: transformers' own kernel loads from the
 `kernels` hub, which the GPU machine cannot reach."""
 import copy
-import types
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from gemma4opt.ops.fp8_block import (fp8_block_linear_reference, moe_experts_fp8
                                      quantize_blocks_reference)
 from gemma4opt.ops.fp8_checkpoint import adopted, is_hf_fp8_linear
 from gemma4opt.presets import build_model, finegrained_fp8_
+from tests.models import fp8_checkpoint_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -61,16 +61,6 @@ def test_block_gemm_equals_reference(rows, n, k):
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-2)
 
 
-def _ref_forward(self, x):
-    return fp8_block_linear_reference(x, self.weight, self.weight_scale_inv, *self.block_size)
-
-
-def _ref_experts_forward(self, x, top_k_index, top_k_weights):
-    return moe_experts_fp8_block_reference(x, top_k_index, top_k_weights, self.gate_up_proj,
-                                           self.gate_up_proj_scale_inv, self.down_proj, self.down_proj_scale_inv,
-                                           *self.block_size)
-
-
 # The 26b-a4b at 128 x 128: transformers leaves its experts' 704-wide down_proj (and the dense MLP's
 # 2112 rows) in bf16, the experts op multiplies that stack as it is; at 64 x 64 every stack is e4m3.
 @pytest.mark.parametrize("preset,block", [("e4b", 128), ("31b", 128), ("26b-a4b", 128), ("26b-a4b", 64)])
@@ -81,12 +71,7 @@ def test_optimized_finegrained_fp8_model_against_the_reference_path(preset, bloc
     model = build_model(preset, layers=4, dtype=torch.bfloat16, device="cuda")
     bf16 = copy.deepcopy(model)
     finegrained_fp8_(model, (block, block))
-    ref = copy.deepcopy(model)
-    for m in ref.modules():
-        if is_hf_fp8_linear(m) and m.weight.dtype == FP8_DTYPE:
-            m.forward = types.MethodType(_ref_forward, m)
-        elif type(m).__name__ == "FP8Experts":
-            m.forward = types.MethodType(_ref_experts_forward, m)
+    ref = fp8_checkpoint_reference(model)
     ids = torch.randint(3, 1000, (2, 64), device="cuda")
     with torch.no_grad():
         want_bf16 = bf16(ids).logits.float()

@@ -16,3 +16,26 @@ def close(got, want, dtype):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+def record_tuned_launches(monkeypatch, module, tuned) -> list[dict]:
+    """An autotuned kernel's launches without a GPU: ``module``'s kernels marked compiled, ``tuned``'s
+    cache emptied, its launch and timing replaced. Each launch (every candidate the autotuner times,
+    then the chosen one) is recorded as {parameter: value} after checking that it binds every
+    parameter of the kernel that has no default."""
+    import inspect
+
+    params = inspect.signature(tuned.fn.fn).parameters
+    required = {n for n, p in params.items() if p.default is inspect.Parameter.empty}
+    launches = []
+
+    def fake_run(*args, **kwargs):
+        bound = dict(zip(params, args), **{n: v for n, v in kwargs.items() if n in params})
+        assert required <= set(bound), sorted(required - set(bound))
+        launches.append(bound)
+
+    monkeypatch.setattr(module, "_COMPILED", True)
+    monkeypatch.setattr(tuned, "cache", {})
+    monkeypatch.setattr(tuned.fn, "run", fake_run)
+    monkeypatch.setattr(tuned, "do_bench", lambda fn, quantiles=None: (fn(), 1.0)[1])
+    return launches

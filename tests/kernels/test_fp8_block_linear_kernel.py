@@ -4,15 +4,13 @@ so the quantized bytes agree and the two differ only in fp32 sum order and where
 applied (per group tile against once per dequantized element). Under the interpreter the e4m3
 products are exact in fp32; compiled for sm_90 the fp8 MMA's partials are promoted per
 instruction (test_compiles_for_sm90.py checks the e4m3 wgmma; tests/gpu the numbers)."""
-import inspect
-
 import pytest
 import torch
 
 from gemma4opt.kernels import fp8_block_linear as k
 from gemma4opt.kernels.fp8_block_linear import fp8_block_linear_triton
 from gemma4opt.ops.fp8_block import fp8_block_linear_reference, quantize_blocks_reference
-from tests.kernels.conftest import DEVICE, DTYPES, close
+from tests.kernels.conftest import DEVICE, DTYPES, close, record_tuned_launches
 
 
 def _operands(rows, n, k_, block_n, block_k, dtype=torch.float32, seed=0, lead=()):
@@ -111,19 +109,7 @@ def test_autotuned_launch_binds_every_parameter_and_tunes_per_row_class(monkeypa
     """The autotuned entry, with the kernel launch and its timing replaced (they need a GPU): every
     candidate and the final launch bind each kernel parameter, ROWS keys the row class, and the
     candidates are that class's tiles."""
-    params = inspect.signature(k._fp8_block_linear_kernel.fn).parameters
-    required = {n for n, p in params.items() if p.default is inspect.Parameter.empty}
-    launches = []
-
-    def fake_run(*args, **kwargs):
-        bound = dict(zip(params, args), **{n: v for n, v in kwargs.items() if n in params})
-        assert required <= set(bound), sorted(required - set(bound))
-        launches.append(bound)
-
-    monkeypatch.setattr(k, "_COMPILED", True)
-    monkeypatch.setattr(k._tuned, "cache", {})
-    monkeypatch.setattr(k._tuned.fn, "run", fake_run)
-    monkeypatch.setattr(k._tuned, "do_bench", lambda fn, quantiles=None: (fn(), 1.0)[1])
+    launches = record_tuned_launches(monkeypatch, k, k._tuned)
     x, wq, ws = _operands(rows, 40, 256, 128, 128)
     fp8_block_linear_triton(x, wq, ws, 128, 128)
     assert {b["ROWS"] for b in launches} == {k.row_class(rows)}

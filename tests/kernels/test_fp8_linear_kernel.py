@@ -166,23 +166,10 @@ def test_autotuned_launch_binds_every_parameter_and_tunes_per_row_class(monkeypa
     """The autotuned entry, with the kernel launch and its timing replaced (they need a GPU): every
     candidate and the final launch bind each kernel parameter, ROWS keys the row class, and the
     candidates are that class's tiles (one row: the row sums and the tensor-core tiles padded to 16)."""
-    import inspect
-
     from gemma4opt.kernels import fp8_linear as k
+    from tests.kernels.conftest import record_tuned_launches
 
-    params = inspect.signature(k._fp8_linear_kernel.fn).parameters
-    required = {n for n, p in params.items() if p.default is inspect.Parameter.empty}
-    launches = []
-
-    def fake_run(*args, **kwargs):
-        bound = dict(zip(params, args), **{n: v for n, v in kwargs.items() if n in params})
-        assert required <= set(bound), sorted(required - set(bound))
-        launches.append(bound)
-
-    monkeypatch.setattr(k, "_COMPILED", True)
-    monkeypatch.setattr(k._tuned, "cache", {})
-    monkeypatch.setattr(k._tuned.fn, "run", fake_run)
-    monkeypatch.setattr(k._tuned, "do_bench", lambda fn, quantiles=None: (fn(), 1.0)[1])
+    launches = record_tuned_launches(monkeypatch, k, k._tuned)
     xq, xs, wq, ws = _operands(rows, 40, 72)
     fp8_linear_triton(xq, xs, wq, ws, torch.bfloat16)
     assert {b["ROWS"] for b in launches} == {1 if rows == 1 else 16 if rows <= 16 else 32}
