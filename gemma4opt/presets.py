@@ -138,7 +138,8 @@ def finegrained_fp8_(model: torch.nn.Module, block_size=(128, 128), skip=("lm_he
                     continue
                 key = f"{path}.{name}"
                 out = quantize.convert({key: weights[key]})
-                scale_key = key[:-len(".weight")] + ".weight_scale_inv" if key.endswith(".weight") else key + "_scale_inv"
+                scale_key = (key[:-len(".weight")] + ".weight_scale_inv" if key.endswith(".weight")
+                             else key + "_scale_inv")
                 setattr(module, name, torch.nn.Parameter(out[key].to(device), requires_grad=False))
                 if scale_key in out:
                     setattr(module, scale_key.rsplit(".", 1)[1], torch.nn.Parameter(out[scale_key].to(device),

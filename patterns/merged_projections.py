@@ -247,7 +247,8 @@ class MergedProjectionsPattern(Pattern):
                 new_nodes += [q, xq, xs]
             elif kind == "block":        # (x, weight, weight_scale_inv, block_n, block_k): the same blocks
                 scale = ctx.add_constant(f"{region.path}.merged_scale", getattr(module, MERGED_SCALE_ATTR))
-                fused = graph.call_function(torch.ops.gemma4opt.fp8_block_linear.default, (x, w, scale, *first.args[3:]))
+                fused = graph.call_function(torch.ops.gemma4opt.fp8_block_linear.default,
+                                            (x, w, scale, *first.args[3:]))
             else:
                 fused = graph.call_function(torch.nn.functional.linear, (x, w))
             fused.meta = dict(first.meta)

@@ -154,7 +154,8 @@ def _keep(configs, named_args, **kwargs):
 
 
 _tuned = triton.autotune(configs=_configs(), key=["N", "K", "ROWS", "BN_W", "BLOCK_K", "FP8_W"], do_bench=bench_short,
-                         post_hook=_sum_splits, prune_configs_by={"early_config_prune": _keep})(_fp8_block_linear_kernel)
+                         post_hook=_sum_splits,
+                         prune_configs_by={"early_config_prune": _keep})(_fp8_block_linear_kernel)
 
 
 def row_class(M: int) -> int:

@@ -4,9 +4,10 @@
 
 x [..., K] in the model's dtype (quantized inside the op, per token and block_k group), w_fp8
 [N, K] e4m3 with ``weight_scale_inv`` [ceil(N / block_n), ceil(K / block_k)] in fp32 or UE8M0
-(scale_fmt="ue8m0": powers of two), as a FineGrainedFP8 checkpoint stores them. The CPU path is the reference. On CUDA: kernels/fp8_block_linear.py's Triton
-GEMM for every row count (the activations' quantization inside it), the reference where its
-block_k or operands do not fit (ops/fp8_checkpoint.py adopts only linears that fit).
+(scale_fmt="ue8m0": powers of two), as a FineGrainedFP8 checkpoint stores them. The CPU path is
+the reference. On CUDA: kernels/fp8_block_linear.py's Triton GEMM for every row count (the
+activations' quantization inside it), the reference where its block_k or operands do not fit
+(ops/fp8_checkpoint.py adopts only linears that fit).
 
 Backward (adapters trained on an fp8 checkpoint, as transformers' FP8Linear allows): the input's
 gradient through the dequantized weight, none for the weight and its scales.
@@ -32,7 +33,9 @@ def _(x, w_fp8, w_scale_inv, block_n, block_k):
 def triton_takes(w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, block_k: int) -> bool:
     from gemma4opt.kernels.fp8_block_linear import BLOCK_KS, SCALE_DTYPES
 
-    return block_k in BLOCK_KS and w_fp8.stride(-1) == 1 and w_scale_inv.dtype in SCALE_DTYPES
+    # (an fp8 checkpoint's weights cast by .to(dtype) reach here in that dtype: the reference takes them)
+    return (block_k in BLOCK_KS and w_fp8.dtype == torch.float8_e4m3fn and w_fp8.stride(-1) == 1
+            and w_scale_inv.dtype in SCALE_DTYPES)
 
 
 @fp8_block_linear.register_kernel("cuda")

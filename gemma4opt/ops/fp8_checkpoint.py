@@ -1,7 +1,7 @@
 """Models loaded through transformers' FineGrainedFP8 quantization: their FP8Linear projections run
 by gemma4opt's block-scaled fp8 GEMM (gemma4opt::fp8_block_linear).
 
-transformers' FP8Linear keeps an e4m3 ``weight`` and fp32 ``weight_scale_inv`` tile scales; its
+transformers' FP8Linear keeps an e4m3 ``weight`` and ``weight_scale_inv`` tile scales (fp32, or UE8M0); its
 forward quantizes the input per token and block_k group and calls a kernel from the `kernels` hub
 or DeepGEMM (an offline machine cannot load the hub's). Each FP8Linear that the GEMM takes is
 *adopted*: the module stays (its type, parameters, state_dict, save_pretrained
@@ -31,65 +31,67 @@ def is_hf_fp8_linear(module) -> bool:
     return _from_transformers(module, HF_FP8_LINEAR)
 
 
-def unsupported(lin) -> str | None:
-    """Why gemma4opt's block-scaled GEMM cannot run this transformers FP8Linear, or None."""
-    from gemma4opt.kernels.fp8_block_linear import BLOCK_KS, SCALE_DTYPES
+def _block_reason(module) -> str | None:
+    """Why the module's weight_block_size or activation scheme is not the kernel's, or None."""
+    from gemma4opt.kernels.fp8_block_linear import BLOCK_KS
 
-    w, s, block = lin.weight, getattr(lin, "weight_scale_inv", None), getattr(lin, "block_size", None)
-    if w.dtype != FP8_DTYPE:
-        return f"the checkpoint left its weight in {str(w.dtype).replace('torch.', '')} (its own forward is F.linear)"
+    block = getattr(module, "block_size", None)
     if block is None:
         return "one scale for the whole weight (no weight_block_size): gemma4opt takes block scales"
+    if int(block[1]) not in BLOCK_KS:
+        return (f"weight_block_size {tuple(block)}: gemma4opt's kernel takes a block_k of "
+                f"{', '.join(map(str, BLOCK_KS))}")
+    if getattr(module, "activation_scheme", "dynamic") != "dynamic":
+        return f"activation_scheme={module.activation_scheme!r}: gemma4opt quantizes activations dynamically"
+    return None
+
+
+def _scale_reason(name: str, w: torch.Tensor, s, block) -> str | None:
+    """Why e4m3 weight w [..., N, K] and its tile scales s are not what the kernel reads, or None."""
+    from gemma4opt.kernels.fp8_block_linear import SCALE_DTYPES
+
     block_n, block_k = (int(b) for b in block)
-    if block_k not in BLOCK_KS:
-        return f"weight_block_size {tuple(block)}: gemma4opt's kernel takes a block_k of {', '.join(map(str, BLOCK_KS))}"
-    if s is None or s.dtype not in SCALE_DTYPES:
-        return (f"{str(getattr(s, 'dtype', None)).replace('torch.', '')} weight scales: gemma4opt takes float32 "
-                "and UE8M0 ones")
-    N, K = w.shape
-    want = (-(-N // block_n), -(-K // block_k))
-    if tuple(s.shape) != want:
-        return f"weight_scale_inv {tuple(s.shape)} for a {tuple(w.shape)} weight in {tuple(block)} blocks (want {want})"
-    if getattr(lin, "activation_scheme", "dynamic") != "dynamic":
-        return f"activation_scheme={lin.activation_scheme!r}: gemma4opt quantizes activations dynamically"
-    if lin.bias is not None:
-        return "a bias"
+    want = (*w.shape[:-2], -(-w.shape[-2] // block_n), -(-w.shape[-1] // block_k))
+    if s is None or s.dtype not in SCALE_DTYPES or tuple(s.shape) != want:
+        return (f"{name} {tuple(getattr(s, 'shape', ()))} {str(getattr(s, 'dtype', None)).replace('torch.', '')} "
+                f"for a {tuple(w.shape)} weight in {tuple(block)} blocks (gemma4opt takes {want} float32 or UE8M0)")
     if w.stride(-1) != 1:
         return "a weight strided along K"
     return None
 
 
-def experts_unsupported(m) -> str | None:
-    """Why gemma4opt's block-scaled experts op cannot run this transformers FP8Experts, or None."""
-    from gemma4opt.kernels.fp8_block_linear import BLOCK_KS, SCALE_DTYPES
+def unsupported(lin) -> str | None:
+    """Why gemma4opt's block-scaled GEMM cannot run this transformers FP8Linear, or None."""
+    if lin.weight.dtype != FP8_DTYPE:
+        dtype = str(lin.weight.dtype).replace("torch.", "")
+        return f"the checkpoint left its weight in {dtype} (its own forward is F.linear)"
+    if lin.bias is not None:
+        return "a bias"
+    return _block_reason(lin) or _scale_reason("weight_scale_inv", lin.weight, getattr(lin, "weight_scale_inv", None),
+                                               lin.block_size)
 
+
+def experts_unsupported(m) -> str | None:
+    """Why gemma4opt's block-scaled experts op cannot run this transformers FP8Experts, or None. A stack
+    left in the model's dtype by the checkpoint (not whole blocks) is multiplied as FP8Experts does."""
     if not getattr(m, "has_gate", True) or getattr(m, "has_bias", False):
         return "experts without a gate or with a bias"
     act = getattr(getattr(m, "config", None), "hidden_activation", None)
     if act != "gelu_pytorch_tanh" or getattr(m, "swiglu_alpha", None) is not None or getattr(m, "limit", None):
         return f"activation {act!r} (gemma4opt's experts take Gemma-4's gelu_pytorch_tanh gate, unclamped)"
-    if getattr(m, "activation_scheme", "dynamic") != "dynamic":
-        return f"activation_scheme={m.activation_scheme!r}: gemma4opt quantizes activations dynamically"
-    block = getattr(m, "block_size", None)
-    if block is None or int(block[1]) not in BLOCK_KS:
-        return f"weight_block_size {block}: gemma4opt's kernel takes block scales with a block_k of " \
-               f"{', '.join(map(str, BLOCK_KS))}"
-    block_n, block_k = (int(b) for b in block)
-    dtypes = set()
-    for name in ("gate_up_proj", "down_proj"):
-        w, s = getattr(m, name, None), getattr(m, name + "_scale_inv", None)
-        if w is None or w.dim() != 3 or w.stride(-1) != 1:
-            return f"{name} is not a stack of weights with unit stride along K"
-        dtypes.add(w.dtype)
-        if w.dtype != FP8_DTYPE:        # left unquantized by the checkpoint (not whole blocks): F.linear
-            continue
-        E, N, K = w.shape
-        want = (E, -(-N // block_n), -(-K // block_k))
-        if s is None or s.dtype not in SCALE_DTYPES or tuple(s.shape) != want:
-            return (f"{name}_scale_inv {tuple(getattr(s, 'shape', ()))} {getattr(s, 'dtype', None)} (want {want} "
-                    "float32 or UE8M0)")
-    if len(dtypes - {FP8_DTYPE}) > 1:
-        return f"stacks in {sorted(str(d) for d in dtypes)}"
+    why = _block_reason(m)
+    if why:
+        return why
+    stacks = [(name, getattr(m, name, None)) for name in ("gate_up_proj", "down_proj")]
+    if any(w is None or w.dim() != 3 for _, w in stacks):
+        return "gate_up_proj / down_proj are not stacks of experts' weights"
+    if len({w.dtype for _, w in stacks if w.dtype != FP8_DTYPE}) > 1:
+        return f"stacks in {sorted(str(w.dtype) for _, w in stacks)}"
+    for name, w in stacks:
+        why = _scale_reason(name + "_scale_inv", w, getattr(m, name + "_scale_inv", None), m.block_size) \
+            if w.dtype == FP8_DTYPE else None if w.stride(-1) == 1 else f"{name} strided along K"
+        if why:
+            return why
     return None
 
 

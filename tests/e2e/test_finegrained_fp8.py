@@ -193,9 +193,10 @@ def test_loss_and_its_gradient_equal_the_reference_path():
     (lambda m: setattr(m, "block_size", (32, 48)), "gemma4opt's kernel takes a block_k of 32, 64, 128, 256"),
     (lambda m: setattr(m, "block_size", None), "one scale for the whole weight"),
     (lambda m: setattr(m, "weight_scale_inv", torch.nn.Parameter(m.weight_scale_inv.half(), requires_grad=False)),
-     "float16 weight scales: gemma4opt takes float32 and UE8M0 ones"),
+     "weight_scale_inv (2, 2) float16 for a (64, 64) weight in (32, 32) blocks (gemma4opt takes (2, 2) "
+     "float32 or UE8M0)"),
     (lambda m: setattr(m, "weight_scale_inv", torch.nn.Parameter(m.weight_scale_inv[:1], requires_grad=False)),
-     "weight_scale_inv (1, 2) for a (64, 64) weight"),
+     "weight_scale_inv (1, 2) float32 for a (64, 64) weight"),
     (lambda m: setattr(m, "bias", torch.nn.Parameter(torch.zeros(64))), "a bias"),
 ])
 def test_what_the_gemm_does_not_take_keeps_its_own_forward_with_the_reason(edit, why):
