@@ -29,9 +29,9 @@
 #   verify     the kernel tests of defaults first run on an H100 (norm_linear, split K at one row, rope_cos_sin,
 #              the pipelined loops; 8 workers), then paged generate against eager; refresh-e2b / -e4b /
 #              -26b: one preset at batch 1 against eager and HF static + compile. Carry .ficache (see below).
-#   fp8-block  FineGrainedFP8 checkpoints: the block-scaled fp8 GEMM's tests on the GPU and the optimized
-#              model against the reference path (180 s), then the e4b at batch 1 against both baselines with
-#              gemma4opt bf16, per-channel fp8 and the FineGrainedFP8 checkpoint (400 s).
+#   fp8-block-tests, fp8-block-e4b  FineGrainedFP8 checkpoints: the block-scaled fp8 GEMM's and experts'
+#              tests on the GPU and optimized checkpoints against the reference path (300 s); the e4b at batch
+#              1 against both baselines with gemma4opt bf16, per-channel fp8 and the checkpoint (400 s).
 #   tests-paged-generate  the rest of it: paged generate == eager below, at and past the window,
 #              sync-free decode, bucket graphs with a full pool, the fp32 refusal (limit 560 s).
 #   features   HF generate features on the one-liner, in CUDA graphs (tests/gpu/test_gpu_features.py:
@@ -538,11 +538,13 @@ for s in $(for a in "$@"; do parts "$a"; done); do
             tests/gpu/test_gpu_rope.py tests/gpu/test_gpu_pipelined.py
       MAX_JOBS=16 stage verify-paged 260 $PYTEST -s tests/gpu/test_gpu_paged.py -k "rope or paged_generate_equals_eager or \
             do_not_sync or bucket_graphs" ;;
-    # FineGrainedFP8 checkpoints: the block-scaled GEMM and the optimized model against the reference path
-    # (180 s), then the e4b at batch 1: eager, HF static + compile, gemma4opt bf16, gemma4opt's per-channel
-    # fp8 and the FineGrainedFP8 checkpoint run by gemma4opt (400 s; HF's own FP8 path needs the kernels hub).
-    fp8-block)
-      stage fp8-block-tests 180 $PYTEST -s tests/gpu/test_gpu_fp8_block.py tests/kernels/test_fp8_block_linear_kernel.py
+    # FineGrainedFP8 checkpoints, a call each: the block-scaled GEMM, the experts op and optimized e4b / 31b /
+    # 26b-a4b checkpoints against the reference path (300 s); the e4b at batch 1: eager, HF static + compile,
+    # gemma4opt bf16, per-channel fp8 and the FineGrainedFP8 checkpoint (400 s; HF's own FP8 path needs the
+    # kernels hub).
+    fp8-block-tests)
+      stage fp8-block-tests 300 $PYTEST -s tests/gpu/test_gpu_fp8_block.py tests/kernels/test_fp8_block_linear_kernel.py ;;
+    fp8-block-e4b)
       stage fp8-block-e4b 400 $GEN e4b --batch 1 --systems eager static_compile gemma4opt gemma4opt-fp8 \
             gemma4opt-finegrained-fp8 --json "$OUT/generate.jsonl" ;;
     # The 31b case of the paged generate tests against eager (rope_cos_sin at head_dim 512 among them; 90 s with
