@@ -184,7 +184,7 @@ def _checkpoint_fp8(model, state) -> str:
         blocks = sorted({tuple(int(b) for b in m.block_size) for m in model.modules() if adopted(m)})
         tiles = ", ".join(f"{n} x {k}" for n, k in blocks)
         parts.append(f"{counts[HF_FP8_LINEAR]} linears are transformers' FP8Linear (a FineGrainedFP8 checkpoint: "
-                     f"e4m3 weights, one fp32 scale per {tiles} tile): run by gemma4opt's block-scaled fp8 GEMM "
+                     f"e4m3 weights, one scale per {tiles} tile): run by gemma4opt's block-scaled fp8 GEMM "
                      f"(fp8_block_linear), each input quantized per token and {'/'.join(str(k) for _, k in blocks)}"
                      "-long group inside it; q/k/v and gate/up merged where their row blocks stack")
     if counts.get(HF_FP8_EXPERTS):

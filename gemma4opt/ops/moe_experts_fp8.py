@@ -53,10 +53,10 @@ def moe_experts_fp8_reference(x, top_k_index, top_k_weights, gate_up, gate_up_sc
         w_d = down[e].float() * down_scale[e].float()[:, None]
         y = F.linear(act.float(), w_d).to(dt).float() * top_k_weights[t, j].float()[:, None]
         parts[t, j] = y
-    return _sum_in_order(parts).to(dt)
+    return sum_in_order(parts).to(dt)
 
 
-def _sum_in_order(parts):
+def sum_in_order(parts):
     """[T, k, H] fp32 -> [T, H]: each token's k weighted outputs added in slot order, as the kernel adds them."""
     out = parts[:, 0]
     for j in range(1, parts.shape[1]):
@@ -124,7 +124,7 @@ def moe_experts_fp8_grouped(x, top_k_index, top_k_weights, gate_up, gate_up_scal
         y = _bmm_fp32_sums(act, _widen(down, e, wdt).transpose(1, 2))
         ys[g0:g0 + _GROUP] = (y * down_scale[e].float()[:, None, :]).to(dt)
     parts = ys.view(-1, H)[pair_row].float() * top_k_weights.reshape(-1, 1).float()
-    return _sum_in_order(parts.view(T, k, H)).to(dt)
+    return sum_in_order(parts.view(T, k, H)).to(dt)
 
 
 @moe_experts_fp8.register_kernel("cuda")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from gemma4opt.ops.fp8_block import moe_experts_fp8_block_reference
+from gemma4opt.ops.moe_experts_fp8 import sum_in_order
 
 MAX_PAIRS = 1024
 
@@ -47,10 +48,7 @@ def moe_pairs(x, top_k_index, top_k_weights, gate_up, gate_up_scale_inv, down, d
     act = torch.ops.gemma4opt.gelu_tanh_mul(gu[:, :I], gu[:, I:])
     y = fp8_block_pairs_triton(act.contiguous(), idx, 1, down, down_scale_inv, block_n, block_k)
     weighted = (y.view(T, k, -1) * top_k_weights.to(y.dtype)[..., None]).float()
-    out = weighted[:, 0]
-    for j in range(1, k):       # slot order, fp32
-        out = out + weighted[:, j]
-    return out.to(x.dtype)
+    return sum_in_order(weighted).to(x.dtype)
 
 
 @moe_experts_fp8_block.register_kernel("cuda")
