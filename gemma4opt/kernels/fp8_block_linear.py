@@ -68,10 +68,11 @@ def _group_tile(acc, X, w_rows, s_rows, k0, K, nmask, m, mmask, sxm,
             acc += tl.dot(xq, tl.trans(w), max_num_imprecise_acc=32) * xs[:, None] * ws[None, :]
     else:
         x = tl.load(X + m[:, None] * sxm + k[None, :], mask=xmask, other=0.0)
+        # ieee: an fp32 model's stack multiplied in fp32 as F.linear does (not TF32)
         if SWAP:
-            acc += tl.dot(w, tl.trans(x))
+            acc += tl.dot(w, tl.trans(x), input_precision="ieee")
         else:
-            acc += tl.dot(x, tl.trans(w))
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
     return acc
 
 

@@ -52,7 +52,7 @@ def test_fp8_experts_op_equals_reference(tokens):
 def test_block_gemm_equals_reference(rows, n, k):
     """The 31b's q and o_proj, the e4b's down, gate/up and a narrow k_proj."""
     torch.manual_seed(rows + n)
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) * torch.linspace(0.1, 3, k, device="cuda")
+    x = (torch.randn(rows, k, device="cuda") * torch.linspace(0.1, 3, k, device="cuda")).to(torch.bfloat16)
     wq, ws = quantize_blocks_reference(torch.randn(n, k, device="cuda") / k ** 0.5, 128, 128)
     got = torch.ops.gemma4opt.fp8_block_linear(x, wq, ws, 128, 128)
     want = fp8_block_linear_reference(x.float(), wq, ws, 128, 128)

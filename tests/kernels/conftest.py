@@ -13,6 +13,21 @@ def close(got, want, dtype):
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 
+def close_fp8_mma(got, want, xd, wd, dtype):
+    """An fp8 GEMM's output against its fp32 reference ``want`` = xd @ wd^T (both dequantized): the
+    dtype's tolerance, and where compiled for the GPU the fp8 MMA's bound on top. The MMA adds the 32
+    products of one instruction with fewer bits than fp32 (~14, DeepSeek-V3 §3.3.2); the kernels
+    promote each instruction's partial to fp32, so the error is within 2^-12 of sum |x||w| of each output.
+    Under the interpreter the e4m3 products are exact in fp32 and only the dtype's tolerance applies."""
+    if DEVICE != "cuda":
+        return close(got, want, dtype)
+    mma = 2 ** -12 * (xd.float().abs() @ wd.float().abs().t())
+    tol = TOL[dtype]
+    err = (got.float() - want.float()).abs()
+    bad = err > tol["atol"] + tol["rtol"] * want.float().abs() + mma
+    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} outside the bound, max |err| {err.max():.3g}"
+
+
 @pytest.fixture
 def device():
     return DEVICE

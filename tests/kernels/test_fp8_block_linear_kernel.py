@@ -3,14 +3,17 @@ The kernel quantizes x's groups itself: the same fp32 division and e4m3 rounding
 so the quantized bytes agree and the two differ only in fp32 sum order and where the scales are
 applied (per group tile against once per dequantized element). Under the interpreter the e4m3
 products are exact in fp32; compiled for sm_90 the fp8 MMA's partials are promoted per
-instruction (test_compiles_for_sm90.py checks the e4m3 wgmma; tests/gpu the numbers)."""
+instruction, within conftest.close_fp8_mma's bound (test_compiles_for_sm90.py checks the e4m3 wgmma).
+The MoE pairs compiled: that bound on gate_up's outputs moves down's input quantization as a bf16
+rounding does, so the fp32 case there is held to the bf16 bound."""
 import pytest
 import torch
 
 from gemma4opt.kernels import fp8_block_linear as k
 from gemma4opt.kernels.fp8_block_linear import fp8_block_linear_triton
-from gemma4opt.ops.fp8_block import fp8_block_linear_reference, quantize_blocks_reference
-from tests.kernels.conftest import DEVICE, DTYPES, close, record_tuned_launches
+from gemma4opt.ops.fp8_block import (dequantize_blocks_reference, fp8_block_linear_reference,
+                                     quantize_blocks_reference, quantize_groups_reference)
+from tests.kernels.conftest import DEVICE, DTYPES, close, close_fp8_mma, record_tuned_launches
 
 
 def _operands(rows, n, k_, block_n, block_k, dtype=torch.float32, seed=0, lead=()):
@@ -24,7 +27,10 @@ def _operands(rows, n, k_, block_n, block_k, dtype=torch.float32, seed=0, lead=(
 
 
 def _check(got, x, wq, ws, bn, bk):
-    close(got, fp8_block_linear_reference(x.float(), wq, ws, bn, bk), x.dtype)
+    xq, xs = quantize_groups_reference(x.float(), bk)
+    xd = xq.float() * xs.repeat_interleave(bk, -1)[..., :x.shape[-1]]
+    close_fp8_mma(got.reshape(-1, wq.shape[0]), fp8_block_linear_reference(x.float(), wq, ws, bn, bk).reshape(
+        -1, wq.shape[0]), xd.reshape(-1, x.shape[-1]), dequantize_blocks_reference(wq, ws, bn, bk), x.dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -147,11 +153,14 @@ def test_moe_pairs_equal_the_experts_reference(dtype, T, topk, E, H, I, bn, bk):
     got = moe_pairs(x, idx, w, gu, gus, dn, dns, bn, bk)
     want = moe_experts_fp8_block_reference(x, idx, w, gu, gus, dn, dns, bn, bk)
     assert got.shape == x.shape and got.dtype == dtype
-    if dtype == torch.float32:
-        close(got, want, dtype)
-    else:
-        err, scale = (got.float() - want.float()).abs(), want.float().abs()
-        assert err.max() <= 2 ** -4 * scale.max() and err.mean() <= 2 ** -5 * scale.mean(), (err.max(), err.mean())
+    _check_experts(got, want)
+
+
+def _check_experts(got, want):
+    if got.dtype == torch.float32 and DEVICE != "cuda":
+        return close(got, want, torch.float32)
+    err, scale = (got.float() - want.float()).abs(), want.float().abs()
+    assert err.max() <= 2 ** -4 * scale.max() and err.mean() <= 2 ** -5 * scale.mean(), (err.max(), err.mean())
 
 
 def test_moe_pairs_with_a_stack_left_in_the_model_dtype():
@@ -169,7 +178,7 @@ def test_moe_pairs_with_a_stack_left_in_the_model_dtype():
     w = torch.rand(T, topk, generator=g).to(DEVICE)
     none = torch.empty(0).to(DEVICE)
     got = moe_pairs(x, idx, w, gu, gus, dn, none, 32, 32)
-    close(got, moe_experts_fp8_block_reference(x, idx, w, gu, gus, dn, none, 32, 32), torch.float32)
+    _check_experts(got, moe_experts_fp8_block_reference(x, idx, w, gu, gus, dn, none, 32, 32))
 
 
 def test_moe_pairs_refuse_mismatched_operands():

@@ -11,8 +11,7 @@ import triton
 from gemma4opt.kernels.fp8_linear import MAX_ROWS, fp8_linear_triton
 from gemma4opt.ops.fp8 import (dequantize_rows_reference, fp8_linear_reference, quantize_rows_reference,
                                quantize_weight_reference)
-from tests.kernels.conftest import DEVICE, DTYPES, TOL
-from tests.kernels.conftest import close as close_dtype
+from tests.kernels.conftest import DEVICE, DTYPES, close_fp8_mma
 
 
 def _operands(rows, n, k, seed=0, lead=()):
@@ -31,14 +30,8 @@ def _want(xq, xs, wq, ws):
 
 def close(got, xq, xs, wq, ws, out_dtype):
     """got against the reference: the dtype's tolerance, plus the fp8 MMA's bound where compiled."""
-    want = _want(xq, xs, wq, ws)
-    if DEVICE != "cuda":
-        return close_dtype(got, want, out_dtype)
-    mma = 2 ** -12 * (dequantize_rows_reference(xq, xs).abs() @ dequantize_rows_reference(wq, ws).abs().t())
-    tol = TOL[out_dtype]
-    err = (got.float() - want).abs()
-    bad = err > tol["atol"] + tol["rtol"] * want.abs() + mma
-    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} outside the bound, max |err| {err.max():.3g}"
+    close_fp8_mma(got, _want(xq, xs, wq, ws), dequantize_rows_reference(xq, xs), dequantize_rows_reference(wq, ws),
+                  out_dtype)
 
 
 _AOT = """
