@@ -29,9 +29,10 @@
 #   verify     the kernel tests of defaults first run on an H100 (norm_linear, split K at one row, rope_cos_sin,
 #              the pipelined loops; 8 workers), then paged generate against eager; refresh-e2b / -e4b /
 #              -26b: one preset at batch 1 against eager and HF static + compile. Carry .ficache (see below).
-#   fp8-block-tests, fp8-block-e4b  FineGrainedFP8 checkpoints: the block-scaled fp8 GEMM's and experts'
-#              tests on the GPU and optimized checkpoints against the reference path (300 s); the e4b at batch
-#              1 against both baselines with gemma4opt bf16, per-channel fp8 and the checkpoint (400 s).
+#   fp8-block-tests, fp8-block-e4b, fp8-block-26b  FineGrainedFP8 checkpoints: the block-scaled fp8 GEMM's
+#              and experts' tests on the GPU and optimized checkpoints against the reference path (300 s); the
+#              e4b at batch 1 against both baselines with gemma4opt bf16, per-channel fp8 and the checkpoint
+#              (400 s); the 26b-a4b at batch 1, bf16 and the checkpoint against both baselines (480 s).
 #   tests-paged-generate  the rest of it: paged generate == eager below, at and past the window,
 #              sync-free decode, bucket graphs with a full pool, the fp32 refusal (limit 560 s).
 #   features   HF generate features on the one-liner, in CUDA graphs (tests/gpu/test_gpu_features.py:
@@ -546,6 +547,9 @@ for s in $(for a in "$@"; do parts "$a"; done); do
       stage fp8-block-tests 300 $PYTEST -s tests/gpu/test_gpu_fp8_block.py tests/kernels/test_fp8_block_linear_kernel.py ;;
     fp8-block-e4b)
       stage fp8-block-e4b 400 $GEN e4b --batch 1 --systems eager static_compile gemma4opt gemma4opt-fp8 \
+            gemma4opt-finegrained-fp8 --json "$OUT/generate.jsonl" ;;
+    fp8-block-26b)      # the 26b-a4b's FP8Experts at decode (the pairs GEMMs), against eager and HF static + compile
+      stage fp8-block-26b 480 $GEN 26b-a4b --batch 1 --systems eager static_compile gemma4opt \
             gemma4opt-finegrained-fp8 --json "$OUT/generate.jsonl" ;;
     # The 31b case of the paged generate tests against eager (rope_cos_sin at head_dim 512 among them; 90 s with
     # FlashInfer's kernels carried in .ficache).
