@@ -548,6 +548,11 @@ for s in $(for a in "$@"; do parts "$a"; done); do
     fp8-block-e4b)
       stage fp8-block-e4b 400 $GEN e4b --batch 1 --systems eager static_compile gemma4opt gemma4opt-fp8 \
             gemma4opt-finegrained-fp8 --json "$OUT/generate.jsonl" ;;
+    fp8-block-quick)    # both of the above in one call for a short device budget: the tests, then the e4b without
+                        # per-channel fp8 and HF static + compile last (its rows kept if the call's limit ends it)
+      stage fp8-block-tests 220 $PYTEST -s tests/gpu/test_gpu_fp8_block.py tests/kernels/test_fp8_block_linear_kernel.py
+      stage fp8-block-e4b 330 $GEN e4b --batch 1 --systems eager gemma4opt gemma4opt-finegrained-fp8 static_compile \
+            --json "$OUT/generate.jsonl" ;;
     fp8-block-26b)      # the 26b-a4b's FP8Experts at decode (the pairs GEMMs), against eager and HF static + compile
       stage fp8-block-26b 480 $GEN 26b-a4b --batch 1 --systems eager static_compile gemma4opt \
             gemma4opt-finegrained-fp8 --json "$OUT/generate.jsonl" ;;
