@@ -6,6 +6,7 @@
     python benchmarks/bench_kernels.py --sweep gelu --m 1 32 256            # gelu.mul (or softcap) launches
     python benchmarks/bench_kernels.py --sweep rows --m 1 8 32              # row kernels' warps at decode
     python benchmarks/bench_kernels.py --sweep-linear --presets 31b --m 32  # skinny GEMM tiles vs cuBLAS
+    python benchmarks/bench_kernels.py --sweep-fp8-block --presets e4b --m 1 8  # block-scaled fp8 GEMM tiles
 
 For decode (M = 1, 32, 256 tokens) and prefill (M = 8192) shapes of the presets: time per call
 (replayed in a CUDA graph, as decode runs), achieved GB/s (bytes read + written / time), the fraction of the measured
@@ -382,6 +383,69 @@ def sweep_linear(args):
                     out.flush()
 
 
+def _fp8_block_tiles(M: int):
+    """Decode tiles of the block-scaled fp8 GEMM (BLOCK_K is the checkpoint's block_k), wider than its
+    autotuner's list: W rows per program, K splits up to the kernel's MAX_SPLIT, warps, stages."""
+    for bm in ((16,) if M <= 16 else (32,)):
+        for bn in (16, 32, 64, 128):
+            for split in (1, 2, 4):
+                for warps in ((4,) if bn < 64 else (4, 8)):
+                    for stages in (3, 4):
+                        yield dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP=True, num_warps=warps,
+                                   num_stages=stages)
+
+
+def sweep_fp8_block(args, block=128):
+    """Per decode GEMM (1-32 rows) of a FineGrainedFP8 checkpoint (block x block tiles): the
+    autotuned block-scaled GEMM and every tile of ``_fp8_block_tiles``, beside the per-channel fp8
+    GEMM (x quantized beforehand, scales applied once), F.linear in bf16 and the fp8 weight's
+    bytes at the copy bandwidth: how far the in-loop quantization and per-group scaling sit from
+    what the bytes allow. Rows are written as they come."""
+    from gemma4opt.kernels.fp8_block_linear import fp8_block_linear_triton
+    from gemma4opt.kernels.fp8_linear import fp8_linear_triton
+    from gemma4opt.ops.fp8 import quantize_rows_reference, quantize_weight_reference
+    from gemma4opt.ops.fp8_block import fp8_block_linear_reference, quantize_blocks_reference
+
+    bw = copy_bandwidth("cuda")
+    out = open(args.json, "w") if args.json else None
+    for preset in args.presets:
+        cfg = preset_config(preset)
+        for M in (m for m in args.m if m <= 32):
+            for name, _, _, (x, w), _ in linear_cases(cfg, M):
+                wq, ws = quantize_blocks_reference(w, block, block)
+                xq, xs = quantize_rows_reference(x)
+                cq, cs = quantize_weight_reference(w)
+                want = fp8_block_linear_reference(x, wq, ws, block, block)
+                fp8_block_linear_triton(x, wq, ws, block, block)        # autotune outside the timed graphs
+                timed = {"bf16 F.linear": _graph_us(lambda: torch.nn.functional.linear(x, w), rep=20),
+                         "per-channel fp8": _graph_us(lambda: fp8_linear_triton(xq, xs, cq, cs, DT), rep=20),
+                         "autotuned": _graph_us(lambda: fp8_block_linear_triton(x, wq, ws, block, block), rep=20)}
+                for tile in _fp8_block_tiles(M):
+                    try:
+                        got = fp8_block_linear_triton(x, wq, ws, block, block, tile)
+                        if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+                            print(f"# {name} {tile}: wrong result")
+                            continue
+                        timed[str(tile)] = _graph_us(lambda: fp8_block_linear_triton(x, wq, ws, block, block, tile),
+                                                     rep=15)
+                    except Exception as e:      # noqa: BLE001 - a tile the GPU refuses is skipped
+                        print(f"# {name} {tile}: {type(e).__name__} {str(e)[:80]}")
+                ranked = sorted((k for k in timed if k.startswith("{")), key=timed.get)
+                floor_us = _nbytes(wq) / bw * 1e6
+                row = dict(preset=preset, M=M, op=name, block=block, weight_floor_us=floor_us,
+                           **{k: timed[k] for k in ("bf16 F.linear", "per-channel fp8", "autotuned")},
+                           best=ranked[:5], best_us=[timed[k] for k in ranked[:5]])
+                print(f"{preset:>6} {M:>3} {name:>24} fp8 bytes {floor_us:6.2f} us; bf16 {timed['bf16 F.linear']:7.2f} "
+                      f"per-channel fp8 {timed['per-channel fp8']:7.2f} block autotuned {timed['autotuned']:7.2f} "
+                      f"best {timed[ranked[0]] if ranked else float('nan'):7.2f} {ranked[0] if ranked else ''}",
+                      flush=True)
+                for k in ranked[1:5]:
+                    print(f"{'':>36} {timed[k]:7.2f} {k}")
+                if out:
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+
+
 @triton.jit
 def _empty_kernel(X, PDL: tl.constexpr):
     pdl_prologue(PDL)
@@ -417,9 +481,14 @@ def main(argv=None):
                     help="time rms_norm_rope / qkv_norm_rope_append under every (heads per program, warps)")
     ap.add_argument("--sweep-linear", action="store_true",
                     help="time every skinny GEMM tile against cuBLAS on the decode GEMMs (2-32 rows)")
+    ap.add_argument("--sweep-fp8-block", action="store_true",
+                    help="time every tile of the block-scaled fp8 GEMM (128 x 128 blocks) on the decode GEMMs "
+                         "(1-32 rows) beside the per-channel fp8 GEMM and bf16")
     args = ap.parse_args(argv)
     if args.sweep_linear:
         return sweep_linear(args)
+    if args.sweep_fp8_block:
+        return sweep_fp8_block(args)
     if args.sweep_norm_rope or args.sweep:
         return sweep(args, args.sweep or "norm_rope")
     bw = copy_bandwidth("cuda")

@@ -33,6 +33,8 @@
 #              and experts' tests on the GPU and optimized checkpoints against the reference path (300 s); the
 #              e4b at batch 1 against both baselines with gemma4opt bf16, per-channel fp8 and the checkpoint
 #              (400 s); the 26b-a4b at batch 1, bf16 and the checkpoint against both baselines (480 s).
+#              fp8-block-sweep: the block GEMM's decode tiles at the e4b's GEMMs against the per-channel fp8 GEMM,
+#              bf16 F.linear and the fp8 bytes' time (500 s; why the checkpoint decodes at 11 ms/step on the e4b).
 #   tests-paged-generate  the rest of it: paged generate == eager below, at and past the window,
 #              sync-free decode, bucket graphs with a full pool, the fp32 refusal (limit 560 s).
 #   features   HF generate features on the one-liner, in CUDA graphs (tests/gpu/test_gpu_features.py:
@@ -553,6 +555,9 @@ for s in $(for a in "$@"; do parts "$a"; done); do
       stage fp8-block-tests 220 $PYTEST -s tests/gpu/test_gpu_fp8_block.py tests/kernels/test_fp8_block_linear_kernel.py
       stage fp8-block-e4b 330 $GEN e4b --batch 1 --systems eager gemma4opt gemma4opt-finegrained-fp8 static_compile \
             --json "$OUT/generate.jsonl" ;;
+    fp8-block-sweep)    # the block GEMM's decode tiles at the e4b's shapes beside per-channel fp8 and bf16 (1 and 8 rows)
+      stage fp8-block-sweep 500 python3 benchmarks/bench_kernels.py --sweep-fp8-block --presets e4b --m 1 8 \
+            --json "$OUT/fp8_block_sweep.jsonl" ;;
     fp8-block-26b)      # the 26b-a4b's FP8Experts at decode (the pairs GEMMs), against eager and HF static + compile
       stage fp8-block-26b 480 $GEN 26b-a4b --batch 1 --systems eager static_compile gemma4opt \
             gemma4opt-finegrained-fp8 --json "$OUT/generate.jsonl" ;;
