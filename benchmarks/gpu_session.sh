@@ -558,6 +558,10 @@ for s in $(for a in "$@"; do parts "$a"; done); do
     fp8-block-sweep)    # the block GEMM's decode tiles at the e4b's shapes beside per-channel fp8 and bf16 (1 and 8 rows)
       stage fp8-block-sweep 500 python3 benchmarks/bench_kernels.py --sweep-fp8-block --presets e4b --m 1 8 \
             --json "$OUT/fp8_block_sweep.jsonl" ;;
+    fp8-block-profile)  # the e4b checkpoint's decode step kernel by kernel (profile_decode.py), 42 and 4 layers
+      stage fp8-block-profile 300 python3 benchmarks/profile_decode.py --preset e4b --attention paged --fp8-block 128
+      stage fp8-block-profile-l4 120 python3 benchmarks/profile_decode.py --preset e4b --layers 4 --attention paged \
+            --fp8-block 128 ;;
     fp8-block-26b)      # the 26b-a4b's FP8Experts at decode (the pairs GEMMs), against eager and HF static + compile
       stage fp8-block-26b 480 $GEN 26b-a4b --batch 1 --systems eager static_compile gemma4opt \
             gemma4opt-finegrained-fp8 --json "$OUT/generate.jsonl" ;;

@@ -14,7 +14,7 @@ import time
 import torch
 
 import gemma4opt
-from gemma4opt.presets import ALL_PRESETS, build_model
+from gemma4opt.presets import ALL_PRESETS, build_model, finegrained_fp8_
 
 
 # Kernel name fragments per category: what a decode step's device time goes to.
@@ -124,8 +124,12 @@ def main(argv=None):
     ap.add_argument("--attention", default="hf", choices=["hf", "paged"])
     ap.add_argument("--quantization", default=None, choices=["fp8"])
     ap.add_argument("--quantize-lm-head", action="store_true")
+    ap.add_argument("--fp8-block", type=int, default=None,
+                    help="profile a FineGrainedFP8 checkpoint in N x N blocks (transformers' own quantizer; lm_head bf16)")
     args = ap.parse_args(argv)
     model = build_model(args.preset, args.layers, dtype=torch.bfloat16, device="cuda")
+    if args.fp8_block:
+        finegrained_fp8_(model, (args.fp8_block, args.fp8_block), skip=("lm_head",))
     opts = dict(inductor=None if args.inductor is None else bool(args.inductor), attention=args.attention,
                 quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
     if args.attention == "paged":       # a pool for exactly this run
