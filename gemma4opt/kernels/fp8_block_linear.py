@@ -29,7 +29,7 @@ from gemma4opt.kernels._util import COMPILED as _COMPILED, pdl_flags, pdl_prolog
 from gemma4opt.kernels.fp8_quant import fp8_quantize, fp8_row_scale
 from gemma4opt.kernels.skinny_linear import _sum_splits, bench_short, k_range
 
-MAX_SPLIT = 4
+MAX_SPLIT = 16      # K splits an explicit config may take (bench_kernels' tile sweep); the autotuned, _DECODE's
 BLOCK_KS = (32, 64, 128, 256)       # the checkpoint block_k values the kernel takes (one K tile each)
 SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)     # weight_scale_inv: fp32, or UE8M0 (powers of two)
 
@@ -135,6 +135,7 @@ def _fp8_block_linear_kernel(X, W, WS, Y, P, IDX, M, N, K, sxm, swn, swsn, sym, 
 # or 4); the prefill tiles are those that compile for sm_90 at 128 x 128 blocks without spilling
 # registers (the quantized x tile lives in them: 128 x 128 rows spill 44-1552 bytes).
 _DECODE = [(64, 4, 1, 3), (64, 4, 1, 4), (128, 8, 1, 4), (64, 4, 2, 3), (64, 4, 4, 3), (128, 4, 2, 4)]
+_TUNED_SPLIT = max(t[2] for t in _DECODE)
 _PREFILL = [(64, 128, 4, 3), (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4, 4), (128, 64, 8, 3)]
 
 
@@ -184,7 +185,8 @@ def fp8_block_linear_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: t
     ws, e8m0 = _scales(w_scale_inv)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M and N:
-        part = torch.empty(MAX_SPLIT * M * N if M <= 32 else 0, dtype=torch.float32, device=x.device)
+        splits = _TUNED_SPLIT if config is None else max(1, min(int(config.get("SPLIT_K", 1)), MAX_SPLIT))
+        part = torch.empty(splits * M * N if M <= 32 else 0, dtype=torch.float32, device=x.device)
         args = (x2, w_fp8, ws, y, part, ws, M, N, K, x2.stride(0), w_fp8.stride(0), ws.stride(0), y.stride(0), 0, 0,
                 row_class(M))
         flags = dict(BN_W=block_n, BLOCK_K=block_k, COMPILED=_COMPILED, E8M0=e8m0, **pdl_flags(y))

@@ -48,12 +48,13 @@ def test_matches_reference(dtype, rows, n, k_, bn, bk):
 @pytest.mark.parametrize("config", [dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=1, SWAP=True),
                                     dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=3, SWAP=True),
                                     dict(BLOCK_M=32, BLOCK_N=16, SPLIT_K=4, SWAP=True),
+                                    dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=8, SWAP=True),
                                     dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=2, SWAP=False),
                                     dict(BLOCK_M=16, BLOCK_N=16)])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_explicit_tiles_transposed_or_split(config, rows):
     """W rows as the dot's M side or x's rows; K split in whole groups (K = 100 is 4 groups of 32, the
-    last short; 3 splits leave one empty), summed in split order by the split-sum kernel."""
+    last short; 3 splits leave one empty, 8 leave four), summed in split order by the split-sum kernel."""
     x, wq, ws = _operands(rows, 50, 100, 16, 32, seed=config.get("SPLIT_K", 1))
     _check(fp8_block_linear_triton(x, wq, ws, 16, 32, config), x, wq, ws, 16, 32)
 
@@ -103,8 +104,8 @@ def test_refuses_what_it_cannot_run_and_empty_inputs():
         fp8_block_linear_triton(x, wq, ws[:, :3].double().contiguous(), 16, 32)
     with pytest.raises(ValueError, match="want"):
         fp8_block_linear_triton(x, wq, ws[:2], 16, 32)
-    with pytest.raises(ValueError, match="at most 4 splits"):
-        fp8_block_linear_triton(x, wq, ws, 16, 32, dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=8, SWAP=True))
+    with pytest.raises(ValueError, match="at most 16 splits"):
+        fp8_block_linear_triton(x, wq, ws, 16, 32, dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=32, SWAP=True))
     with pytest.raises(ValueError, match="up to 32"):
         fp8_block_linear_triton(*_operands(40, 40, 96, 16, 32), 16, 32, dict(BLOCK_M=64, BLOCK_N=16, SPLIT_K=2))
     assert fp8_block_linear_triton(x[:0], wq, ws, 16, 32).shape == (0, 40)
