@@ -344,6 +344,29 @@ def _linear_tiles():
                                        num_stages=stages)
 
 
+def _time_tiles(name, tiles, run, want, timed: dict) -> list[str]:
+    """Each tile's ``run(tile)`` checked against ``want`` and timed in a CUDA graph into timed[str(tile)];
+    the tiles' keys, fastest first."""
+    for tile in tiles:
+        try:
+            if not torch.allclose(run(tile).float(), want.float(), rtol=2e-2, atol=2e-2):
+                print(f"# {name} {tile}: wrong result")
+                continue
+            timed[str(tile)] = _graph_us(lambda: run(tile), rep=15)
+        except Exception as e:      # noqa: BLE001 - a tile the GPU refuses is skipped
+            print(f"# {name} {tile}: {type(e).__name__} {str(e)[:80]}")
+    return sorted((k for k in timed if k.startswith("{")), key=timed.get)
+
+
+def _write_ranked(out, row: dict, timed: dict, ranked: list[str]):
+    """The runners-up under a sweep's printed line, and its row to the JSON-lines file as it comes."""
+    for k in ranked[1:5]:
+        print(f"{'':>36} {timed[k]:7.2f} {k}")
+    if out:
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+
+
 def sweep_linear(args):
     """Per decode GEMM with M > 1 rows: cuBLAS, the autotuned skinny GEMM, and every tile of
     ``_linear_tiles`` (each replayed in a CUDA graph); the data for the autotuner's config list.
@@ -360,27 +383,14 @@ def sweep_linear(args):
                 fn(x, w)
                 timed = {"cublas": _graph_us(lambda: ref(x, w), rep=20),
                          "autotuned": _graph_us(lambda: fn(x, w), rep=20)}
-                for tile in _linear_tiles():
-                    try:
-                        got = fn(x, w, tile)
-                        if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
-                            print(f"# {name} {tile}: wrong result")
-                            continue
-                        timed[str(tile)] = _graph_us(lambda: fn(x, w, tile), rep=15)
-                    except Exception as e:      # noqa: BLE001 - a tile the GPU refuses is skipped
-                        print(f"# {name} {tile}: {type(e).__name__} {str(e)[:80]}")
-                ranked = sorted((k for k in timed if k.startswith("{")), key=timed.get)
+                ranked = _time_tiles(name, _linear_tiles(), lambda tile: fn(x, w, tile), want, timed)
                 row = dict(preset=preset, M=M, op=name, cublas_us=timed["cublas"], autotuned_us=timed["autotuned"],
                            best=ranked[:5], best_us=[timed[k] for k in ranked[:5]],
                            gb_s_best=nbytes / (timed[ranked[0]] * 1e-6) / 1e9 if ranked else None)
                 print(f"{preset:>6} {M:>3} {name:>24} cublas {timed['cublas']:7.2f} autotuned {timed['autotuned']:7.2f} "
                       f"best {timed[ranked[0]]:7.2f} ({timed['cublas'] / timed[ranked[0]]:.2f}x cublas) {ranked[0]}",
                       flush=True)
-                for k in ranked[1:5]:
-                    print(f"{'':>36} {timed[k]:7.2f} {k}")
-                if out:
-                    out.write(json.dumps(row) + "\n")
-                    out.flush()
+                _write_ranked(out, row, timed, ranked)
 
 
 def _fp8_block_tiles(M: int):
@@ -421,17 +431,8 @@ def sweep_fp8_block(args, block=128):
                 timed = {"bf16 F.linear": _graph_us(lambda: torch.nn.functional.linear(x, w), rep=20),
                          "per-channel fp8": _graph_us(lambda: fp8_linear_triton(xq, xs, cq, cs, DT), rep=20),
                          "autotuned": _graph_us(lambda: fp8_block_linear_triton(x, wq, ws, block, block), rep=20)}
-                for tile in _fp8_block_tiles(M):
-                    try:
-                        got = fp8_block_linear_triton(x, wq, ws, block, block, tile)
-                        if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
-                            print(f"# {name} {tile}: wrong result")
-                            continue
-                        timed[str(tile)] = _graph_us(lambda: fp8_block_linear_triton(x, wq, ws, block, block, tile),
-                                                     rep=15)
-                    except Exception as e:      # noqa: BLE001 - a tile the GPU refuses is skipped
-                        print(f"# {name} {tile}: {type(e).__name__} {str(e)[:80]}")
-                ranked = sorted((k for k in timed if k.startswith("{")), key=timed.get)
+                ranked = _time_tiles(name, _fp8_block_tiles(M),
+                                     lambda tile: fp8_block_linear_triton(x, wq, ws, block, block, tile), want, timed)
                 floor_us = _nbytes(wq) / bw * 1e6
                 row = dict(preset=preset, M=M, op=name, block=block, weight_floor_us=floor_us,
                            **{k: timed[k] for k in ("bf16 F.linear", "per-channel fp8", "autotuned")},
@@ -440,11 +441,7 @@ def sweep_fp8_block(args, block=128):
                       f"per-channel fp8 {timed['per-channel fp8']:7.2f} block autotuned {timed['autotuned']:7.2f} "
                       f"best {timed[ranked[0]] if ranked else float('nan'):7.2f} {ranked[0] if ranked else ''}",
                       flush=True)
-                for k in ranked[1:5]:
-                    print(f"{'':>36} {timed[k]:7.2f} {k}")
-                if out:
-                    out.write(json.dumps(row) + "\n")
-                    out.flush()
+                _write_ranked(out, row, timed, ranked)
 
 
 @triton.jit

@@ -29,7 +29,7 @@ from gemma4opt.kernels._util import COMPILED as _COMPILED, pdl_flags, pdl_prolog
 from gemma4opt.kernels.fp8_quant import fp8_quantize, fp8_row_scale
 from gemma4opt.kernels.skinny_linear import _sum_splits, bench_short, k_range
 
-MAX_SPLIT = 16      # K splits an explicit config may take (bench_kernels' tile sweep); the autotuned, _DECODE's
+MAX_SPLIT = 16      # K splits an explicit config may take (bench_kernels' tile sweep); autotuned tiles, _DECODE's
 BLOCK_KS = (32, 64, 128, 256)       # the checkpoint block_k values the kernel takes (one K tile each)
 SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)     # weight_scale_inv: fp32, or UE8M0 (powers of two)
 
