@@ -60,12 +60,17 @@ def dequantize_blocks_reference(q: torch.Tensor, scale: torch.Tensor, block_n: i
     return q.float() * full
 
 
+def dequantized_groups_reference(x: torch.Tensor, group: int) -> torch.Tensor:
+    """fp32 x [..., K] as the GEMM multiplies it: quantized per token and group, times its scale."""
+    xq, xs = quantize_groups_reference(x, group)
+    return xq.float() * xs.repeat_interleave(group, -1)[..., :x.shape[-1]]
+
+
 def fp8_block_linear_reference(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor,
                                block_n: int, block_k: int) -> torch.Tensor:
     """x [..., K] in its dtype, W [N, K] e4m3 with its tile scales -> [..., N] in x's dtype: x
     quantized per token and block_k group, both sides dequantized, multiplied in fp32."""
-    xq, xs = quantize_groups_reference(x, block_k)
-    xd = xq.float() * xs.repeat_interleave(block_k, -1)[..., :x.shape[-1]]
+    xd = dequantized_groups_reference(x, block_k)
     wd = dequantize_blocks_reference(w_fp8, w_scale_inv, block_n, block_k)
     return torch.matmul(xd, wd.t()).to(x.dtype).contiguous()
 

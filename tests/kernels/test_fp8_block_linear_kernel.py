@@ -11,8 +11,8 @@ import torch
 
 from gemma4opt.kernels import fp8_block_linear as k
 from gemma4opt.kernels.fp8_block_linear import fp8_block_linear_triton
-from gemma4opt.ops.fp8_block import (dequantize_blocks_reference, fp8_block_linear_reference,
-                                     quantize_blocks_reference, quantize_groups_reference)
+from gemma4opt.ops.fp8_block import (dequantize_blocks_reference, dequantized_groups_reference,
+                                     fp8_block_linear_reference, quantize_blocks_reference)
 from tests.kernels.conftest import DEVICE, DTYPES, close, close_fp8_mma, record_tuned_launches
 
 
@@ -27,10 +27,10 @@ def _operands(rows, n, k_, block_n, block_k, dtype=torch.float32, seed=0, lead=(
 
 
 def _check(got, x, wq, ws, bn, bk):
-    xq, xs = quantize_groups_reference(x.float(), bk)
-    xd = xq.float() * xs.repeat_interleave(bk, -1)[..., :x.shape[-1]]
-    close_fp8_mma(got.reshape(-1, wq.shape[0]), fp8_block_linear_reference(x.float(), wq, ws, bn, bk).reshape(
-        -1, wq.shape[0]), xd.reshape(-1, x.shape[-1]), dequantize_blocks_reference(wq, ws, bn, bk), x.dtype)
+    n = wq.shape[0]
+    close_fp8_mma(got.reshape(-1, n), fp8_block_linear_reference(x.float(), wq, ws, bn, bk).reshape(-1, n),
+                  dequantized_groups_reference(x.float(), bk).reshape(-1, x.shape[-1]),
+                  dequantize_blocks_reference(wq, ws, bn, bk), x.dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
