@@ -394,16 +394,14 @@ def sweep_linear(args):
 
 
 def _fp8_block_tiles(M: int):
-    """Decode tiles of the block-scaled fp8 GEMM (BLOCK_K is the checkpoint's block_k), wider than its
-    autotuner's list: W rows per program, K splits up to the kernel's MAX_SPLIT (the autotuner's
-    take up to 4: each program's K loop runs its groups one after another, quantizing x's), warps, stages."""
+    """Decode tiles of the block-scaled fp8 GEMM (BLOCK_K is the checkpoint's block_k) around its
+    autotuner's (128 W rows, 8 warps, K in up to 16 splits: each program's K loop runs its groups one
+    after another, quantizing x's): 64-256 W rows a program, 4-16 warps, 2-16 splits, 3-4 stages."""
     for bm in ((16,) if M <= 16 else (32,)):
-        for bn in (16, 32, 64, 128):
-            for split in (1, 2, 4, 8, 16):
-                for warps in ((4,) if bn < 64 else (4, 8)):
-                    for stages in (3, 4):
-                        yield dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP=True, num_warps=warps,
-                                   num_stages=stages)
+        for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8), (256, 16)):
+            for split in (2, 4, 8, 16):
+                for stages in (3, 4):
+                    yield dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP=True, num_warps=warps, num_stages=stages)
 
 
 def sweep_fp8_block(args, block=128):

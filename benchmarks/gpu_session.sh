@@ -35,6 +35,7 @@
 #              (400 s); the 26b-a4b at batch 1, bf16 and the checkpoint against both baselines (480 s).
 #              fp8-block-sweep: the block GEMM's decode tiles at the e4b's GEMMs against the per-channel fp8 GEMM,
 #              bf16 F.linear and the fp8 bytes' time (500 s; why the checkpoint decodes at 11 ms/step on the e4b).
+#              fp8-block-verify: the tests, then the sweep (1 and 8 rows), in one call.
 #   tests-paged-generate  the rest of it: paged generate == eager below, at and past the window,
 #              sync-free decode, bucket graphs with a full pool, the fp32 refusal (limit 560 s).
 #   features   HF generate features on the one-liner, in CUDA graphs (tests/gpu/test_gpu_features.py:
@@ -557,6 +558,10 @@ for s in $(for a in "$@"; do parts "$a"; done); do
             --json "$OUT/generate.jsonl" ;;
     fp8-block-sweep)    # the block GEMM's decode tiles at the e4b's shapes beside per-channel fp8 and bf16 (1 and 8 rows)
       stage fp8-block-sweep 500 python3 benchmarks/bench_kernels.py --sweep-fp8-block --presets e4b --m 1 8 \
+            --json "$OUT/fp8_block_sweep.jsonl" ;;
+    fp8-block-verify)   # the block GEMM's GPU tests, then its tile sweep (1 and 8 rows), in one call
+      stage fp8-block-tests 300 $PYTEST -s tests/gpu/test_gpu_fp8_block.py tests/kernels/test_fp8_block_linear_kernel.py
+      stage fp8-block-sweep 270 python3 benchmarks/bench_kernels.py --sweep-fp8-block --presets e4b --m 1 8 \
             --json "$OUT/fp8_block_sweep.jsonl" ;;
     fp8-block-profile)  # the e4b checkpoint's decode step kernel by kernel (profile_decode.py), 42 and 4 layers
       stage fp8-block-profile 300 python3 benchmarks/profile_decode.py --preset e4b --attention paged --fp8-block 128

@@ -29,7 +29,7 @@ from gemma4opt.kernels._util import COMPILED as _COMPILED, pdl_flags, pdl_prolog
 from gemma4opt.kernels.fp8_quant import fp8_quantize, fp8_row_scale
 from gemma4opt.kernels.skinny_linear import _sum_splits, bench_short, k_range
 
-MAX_SPLIT = 16      # K splits an explicit config may take (bench_kernels' tile sweep); autotuned tiles, _DECODE's
+MAX_SPLIT = 16      # K splits a config may take (bench_kernels' tile sweep's; the autotuned decode tiles')
 BLOCK_KS = (32, 64, 128, 256)       # the checkpoint block_k values the kernel takes (one K tile each)
 SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)     # weight_scale_inv: fp32, or UE8M0 (powers of two)
 
@@ -129,13 +129,18 @@ def _fp8_block_linear_kernel(X, W, WS, Y, P, IDX, M, N, K, sxm, swn, swsn, sym, 
         tl.store(P + (tl.program_id(1) * M + mo).to(tl.int64) * N + no, acc, mask=omask)
 
 
-# Decode (BLOCK_N, warps, splits, stages), each at BLOCK_M 16 and 32; prefill (BLOCK_M, BLOCK_N, warps,
-# stages). BLOCK_K is the checkpoint's block_k. Not yet swept on a GPU: the decode tiles follow
-# kernels/fp8_linear.py's dot tiles (W rows as the MMA's M side, 64-128 a program, K unsplit or in 2
-# or 4); the prefill tiles are those that compile for sm_90 at 128 x 128 blocks without spilling
-# registers (the quantized x tile lives in them: 128 x 128 rows spill 44-1552 bytes).
-_DECODE = [(64, 4, 1, 3), (64, 4, 1, 4), (128, 8, 1, 4), (64, 4, 2, 3), (64, 4, 4, 3), (128, 4, 2, 4)]
+# Decode (BLOCK_N, warps, splits, stages), each at BLOCK_M 16 and 32 (32 rows: up to DECODE_SPLIT_32 splits);
+# prefill (BLOCK_M, BLOCK_N, warps, stages). BLOCK_K is the checkpoint's block_k. The decode tiles are
+# bench_kernels.py --sweep-fp8-block's fastest at the e4b's GEMMs at 1 and 8 rows on an H100: 128 W rows
+# and 8 warps a program, K in 4-16 splits (each program's K loop runs its groups one after another,
+# quantizing x's, so a long loop is slow: 1-4 splits were 2-4x slower at the MLP's down projection).
+# The 64-row tiles stay for the MoE pairs (unsplit) and narrow N. The prefill tiles are those that
+# compile for sm_90 at 128 x 128 blocks without spilling registers (the quantized x tile lives in
+# them: 128 x 128 rows spill 44-1552 bytes).
+_DECODE = [(128, 8, 1, 3), (128, 8, 2, 3), (128, 8, 4, 3), (128, 8, 8, 3), (128, 8, 16, 3), (128, 8, 16, 4),
+           (64, 4, 1, 3), (64, 4, 1, 4), (64, 4, 16, 3)]
 _TUNED_SPLIT = max(t[2] for t in _DECODE)
+DECODE_SPLIT_32 = 4
 _PREFILL = [(64, 128, 4, 3), (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4, 4), (128, 64, 8, 3)]
 
 
@@ -151,8 +156,9 @@ def _keep(configs, named_args, **kwargs):
     rows = named_args["ROWS"]
     if rows == 0:       # MoE pairs: one row a program, unsplit
         return [c for c in configs if c.kwargs["BLOCK_M"] == 16 and c.kwargs["SPLIT_K"] == 1]
-    want = (16,) if rows <= 16 else (32,) if rows <= 32 else (64, 128)
-    return [c for c in configs if c.kwargs["BLOCK_M"] in want]
+    if rows > 32:
+        return [c for c in configs if c.kwargs["BLOCK_M"] > 32]
+    return [c for c in configs if c.kwargs["BLOCK_M"] == rows and c.kwargs["SPLIT_K"] <= tuned_splits(rows)]
 
 
 _tuned = triton.autotune(configs=_configs(), key=["N", "K", "ROWS", "BN_W", "BLOCK_K", "FP8_W"], do_bench=bench_short,
@@ -162,6 +168,12 @@ _tuned = triton.autotune(configs=_configs(), key=["N", "K", "ROWS", "BN_W", "BLO
 
 def row_class(M: int) -> int:
     return 16 if M <= 16 else 32 if M <= 32 else 64
+
+
+def tuned_splits(M: int) -> int:
+    """The most K splits an autotuned tile takes at M rows (the fp32 partials' buffer is that many M x N:
+    fewer at 17-32 rows)."""
+    return _TUNED_SPLIT if M <= 16 else DECODE_SPLIT_32 if M <= 32 else 1
 
 
 def fp8_block_linear_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, block_n: int,
@@ -185,7 +197,7 @@ def fp8_block_linear_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: t
     ws, e8m0 = _scales(w_scale_inv)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M and N:
-        splits = _TUNED_SPLIT if config is None else config.get("SPLIT_K", 1)     # (checked below)
+        splits = tuned_splits(M) if config is None else config.get("SPLIT_K", 1)     # (checked below)
         part = torch.empty(splits * M * N if M <= 32 else 0, dtype=torch.float32, device=x.device)
         args = (x2, w_fp8, ws, y, part, ws, M, N, K, x2.stride(0), w_fp8.stride(0), ws.stride(0), y.stride(0), 0, 0,
                 row_class(M))
