@@ -395,13 +395,18 @@ def sweep_linear(args):
 
 def _fp8_block_tiles(M: int):
     """Decode tiles of the block-scaled fp8 GEMM (BLOCK_K is the checkpoint's block_k) around its
-    autotuner's (128 W rows, 8 warps, K in up to 16 splits: each program's K loop runs its groups one
-    after another, quantizing x's): 64-256 W rows a program, 4-16 warps, 2-16 splits, 3-4 stages."""
+    autotuner's: the MMA's (64-256 W rows a program, 4-16 warps, K in 2-16 whole-group splits, 3-4
+    stages) and at one row the FMA's (BLOCK_M 1: 2-16 W rows, 4-16 groups an iteration, 1-2 splits)."""
     for bm in ((16,) if M <= 16 else (32,)):
         for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8), (256, 16)):
             for split in (2, 4, 8, 16):
                 for stages in (3, 4):
                     yield dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP=True, num_warps=warps, num_stages=stages)
+    if M == 1:
+        for bn in (2, 4, 8, 16):
+            for groups in (4, 8, 16):
+                for split in (1, 2):
+                    yield dict(BLOCK_M=1, BLOCK_N=bn, GROUPS=groups, SPLIT_K=split, num_warps=4)
 
 
 def sweep_fp8_block(args, block=128):

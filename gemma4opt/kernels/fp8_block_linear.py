@@ -77,14 +77,43 @@ def _group_tile(acc, X, w_rows, s_rows, k0, K, nmask, m, mmask, sxm,
 
 
 @triton.jit
+def _group_row(acc, x_row, w_rows, s_rows, k0, K, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               GROUPS: tl.constexpr, FP8_W: tl.constexpr, E8M0: tl.constexpr):
+    """One row (BLOCK_M == 1) without the MMA: acc [BLOCK_N, GROUPS] += each of the row's GROUPS groups
+    from k0, quantized and dotted with W's rows in fp32 FMAs, scaled as _group_tile scales. A decode
+    row takes no 16-row padding and a program reads many groups an iteration (the per-channel GEMM's
+    fastest one-row tiles read 2048 of K at a time); the sum over the groups waits for the loop's end,
+    so an iteration reduces only within groups. FP8_W=False: F.linear's products, summed alike."""
+    k = k0 + tl.arange(0, GROUPS * BLOCK_K)
+    kmask = k < K
+    w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+    x = tl.load(x_row + k, mask=kmask, other=0.0).to(tl.float32)
+    if FP8_W:
+        xg = tl.reshape(x, [GROUPS, BLOCK_K])
+        xs = fp8_row_scale(tl.max(tl.abs(xg), axis=1))                 # [GROUPS]: masked groups' are unread
+        xq = tl.reshape(fp8_quantize(xg, xs[:, None]).to(tl.float32), [GROUPS * BLOCK_K])  # exact in fp32
+        part = tl.sum(tl.reshape(w * xq[None, :], [BLOCK_N, GROUPS, BLOCK_K]), 2)
+        g = k0 // BLOCK_K + tl.arange(0, GROUPS)
+        ws = tl.load(s_rows[:, None] + g[None, :], mask=nmask[:, None] & (g * BLOCK_K < K)[None, :], other=0)
+        if E8M0:
+            ws = tl.exp2(ws.to(tl.float32) - 127.0)
+        acc += part * ws * xs[None, :]
+    else:
+        acc += tl.sum(tl.reshape(w * x[None, :], [BLOCK_N, GROUPS, BLOCK_K]), 2)
+    return acc
+
+
+@triton.jit
 def _fp8_block_linear_kernel(X, W, WS, Y, P, IDX, M, N, K, sxm, swn, swsn, sym, swe, swse, ROWS, BN_W: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr = False,
                              PDL: tl.constexpr = False, TOPK: tl.constexpr = 0, FP8_W: tl.constexpr = True,
-                             E8M0: tl.constexpr = False):
+                             E8M0: tl.constexpr = False, GROUPS: tl.constexpr = 1):
     # ROWS (the row class) is not read: it keys the autotuner's choice. BN_W: the checkpoint's block_n.
     # TOPK > 0: MoE (token, expert) pairs, one a program (program_id(2)): pair p multiplies x's row
     # p // TOPK by expert IDX[p]'s weight (W and WS strided by swe, swse per expert) into Y's row p.
+    # BLOCK_M == 1: one row a program (program_id(2)) by _group_row, GROUPS groups an iteration (the
+    # MMA's tiles take one).
     pdl_prologue(PDL)
     if TOPK > 0:
         p = tl.program_id(2).to(tl.int64)
@@ -95,38 +124,56 @@ def _fp8_block_linear_kernel(X, W, WS, Y, P, IDX, M, N, K, sxm, swn, swsn, sym, 
         Y += p * sym
         M = 1           # this program's one row (at X and Y, moved above)
         m = tl.arange(0, BLOCK_M)
-        mmask = m < M
+        row = 0
     else:
         m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-        mmask = m < M
+        row = tl.program_id(2).to(tl.int64)     # (BLOCK_M == 1: the program's row)
+    mmask = m < M
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     w_rows = W + n.to(tl.int64)[:, None] * swn
     s_rows = WS + (n // BN_W) * swsn
-    lo, hi = k_range(K, SPLIT_K, BLOCK_K)
-    if SWAP:
+    lo, hi = k_range(K, SPLIT_K, BLOCK_K * GROUPS)
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, GROUPS], tl.float32)
+    elif SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if COMPILED:
-        for k0 in range(lo, hi, BLOCK_K):
-            acc = _group_tile(acc, X, w_rows, s_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_K, COMPILED, SWAP, FP8_W,
-                              E8M0)
+        for k0 in range(lo, hi, BLOCK_K * GROUPS):
+            if BLOCK_M == 1:
+                acc = _group_row(acc, X + row * sxm, w_rows, s_rows, k0, hi, nmask, BLOCK_N, BLOCK_K, GROUPS, FP8_W,
+                                 E8M0)
+            else:
+                acc = _group_tile(acc, X, w_rows, s_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_K, COMPILED, SWAP,
+                                  FP8_W, E8M0)
     else:           # the interpreter takes no runtime range() bound
         k0 = lo
         while k0 < hi:
-            acc = _group_tile(acc, X, w_rows, s_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_K, COMPILED, SWAP, FP8_W,
-                              E8M0)
-            k0 += BLOCK_K
-    if SWAP:
-        mo, no = m[None, :], n[:, None]
+            if BLOCK_M == 1:
+                acc = _group_row(acc, X + row * sxm, w_rows, s_rows, k0, hi, nmask, BLOCK_N, BLOCK_K, GROUPS, FP8_W,
+                                 E8M0)
+            else:
+                acc = _group_tile(acc, X, w_rows, s_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_K, COMPILED, SWAP,
+                                  FP8_W, E8M0)
+            k0 += BLOCK_K * GROUPS
+    if BLOCK_M == 1:
+        y = tl.sum(acc, 1)
+        if SPLIT_K == 1:
+            tl.store(Y + row * sym + n, y.to(Y.dtype.element_ty), mask=nmask)
+        else:       # P[sk, row, n]
+            tl.store(P + (tl.program_id(1) * M + row).to(tl.int64) * N + n, y, mask=nmask)
     else:
-        mo, no = m[:, None], n[None, :]
-    omask = (mo < M) & (no < N)
-    if SPLIT_K == 1:
-        tl.store(Y + mo * sym + no, acc.to(Y.dtype.element_ty), mask=omask)
-    else:           # the scaled fp32 partial of split sk: P[sk, m, n], contiguous [SPLIT_K, M, N]
-        tl.store(P + (tl.program_id(1) * M + mo).to(tl.int64) * N + no, acc, mask=omask)
+        if SWAP:
+            mo, no = m[None, :], n[:, None]
+        else:
+            mo, no = m[:, None], n[None, :]
+        omask = (mo < M) & (no < N)
+        if SPLIT_K == 1:
+            tl.store(Y + mo * sym + no, acc.to(Y.dtype.element_ty), mask=omask)
+        else:           # the scaled fp32 partial of split sk: P[sk, m, n], contiguous [SPLIT_K, M, N]
+            tl.store(P + (tl.program_id(1) * M + mo).to(tl.int64) * N + no, acc, mask=omask)
 
 
 # Decode (BLOCK_N, warps, splits, stages), each at BLOCK_M 16 and 32 (32 rows: up to DECODE_SPLIT_32 splits);
@@ -139,6 +186,11 @@ def _fp8_block_linear_kernel(X, W, WS, Y, P, IDX, M, N, K, sxm, swn, swsn, sym, 
 # them: 128 x 128 rows spill 44-1552 bytes).
 _DECODE = [(128, 8, 1, 3), (128, 8, 2, 3), (128, 8, 4, 3), (128, 8, 8, 3), (128, 8, 16, 3), (128, 8, 16, 4),
            (64, 4, 1, 3), (64, 4, 1, 4), (64, 4, 16, 3)]
+# One row (a batch-1 decode step, a MoE pair): (BLOCK_N, GROUPS, warps, splits, stages) of _group_row's
+# FMA tiles, beside the MMA's 16-row ones (the autotuner takes the faster); few W rows and many groups
+# an iteration, as the per-channel fp8 GEMM's fastest one-row tiles (2-4 rows, 2048 of K).
+_ROW = [(2, 16, 4, 1, 3), (4, 8, 4, 1, 3), (4, 16, 4, 1, 3), (8, 4, 4, 1, 3), (8, 8, 8, 1, 3), (4, 8, 4, 2, 3),
+        (16, 4, 4, 1, 3)]
 _TUNED_SPLIT = max(t[2] for t in _DECODE)
 DECODE_SPLIT_32 = 4
 _PREFILL = [(64, 128, 4, 3), (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4, 4), (128, 64, 8, 3)]
@@ -147,6 +199,8 @@ _PREFILL = [(64, 128, 4, 3), (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4, 4), (
 def _configs():
     out = [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=sk, SWAP=True), num_warps=w, num_stages=st)
            for bm in (16, 32) for bn, w, sk, st in _DECODE]
+    out += [triton.Config(dict(BLOCK_M=1, BLOCK_N=bn, GROUPS=g, SPLIT_K=sk), num_warps=w, num_stages=st)
+            for bn, g, w, sk, st in _ROW]
     out += [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, SWAP=False), num_warps=w, num_stages=st)
             for bm, bn, w, st in _PREFILL]
     return out
@@ -155,10 +209,11 @@ def _configs():
 def _keep(configs, named_args, **kwargs):
     rows = named_args["ROWS"]
     if rows == 0:       # MoE pairs: one row a program, unsplit
-        return [c for c in configs if c.kwargs["BLOCK_M"] == 16 and c.kwargs["SPLIT_K"] == 1]
+        return [c for c in configs if c.kwargs["BLOCK_M"] in (1, 16) and c.kwargs["SPLIT_K"] == 1]
     if rows > 32:
         return [c for c in configs if c.kwargs["BLOCK_M"] > 32]
-    return [c for c in configs if c.kwargs["BLOCK_M"] == rows and c.kwargs["SPLIT_K"] <= tuned_splits(rows)]
+    want = (1, 16) if rows == 1 else (rows,)
+    return [c for c in configs if c.kwargs["BLOCK_M"] in want and c.kwargs["SPLIT_K"] <= tuned_splits(rows)]
 
 
 _tuned = triton.autotune(configs=_configs(), key=["N", "K", "ROWS", "BN_W", "BLOCK_K", "FP8_W"], do_bench=bench_short,
@@ -167,7 +222,7 @@ _tuned = triton.autotune(configs=_configs(), key=["N", "K", "ROWS", "BN_W", "BLO
 
 
 def row_class(M: int) -> int:
-    return 16 if M <= 16 else 32 if M <= 32 else 64
+    return 1 if M == 1 else 16 if M <= 16 else 32 if M <= 32 else 64
 
 
 def tuned_splits(M: int) -> int:
@@ -180,7 +235,8 @@ def fp8_block_linear_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: t
                             block_k: int, config: dict | None = None) -> torch.Tensor:
     """x [..., K] (bf16, fp16 or fp32), w_fp8 [N, K] e4m3 (unit stride along K) with its fp32 tile
     scales [ceil(N / block_n), ceil(K / block_k)] -> [..., N] in x's dtype. ``config`` runs one tile
-    instead of the autotuned one: BLOCK_M, BLOCK_N, and optionally SPLIT_K, SWAP, num_warps, num_stages."""
+    instead of the autotuned one: BLOCK_M, BLOCK_N, and optionally SPLIT_K, SWAP, GROUPS (BLOCK_M 1),
+    num_warps, num_stages."""
     x2 = rows_view(x)
     M, K = x2.shape
     N = w_fp8.shape[0]
@@ -203,16 +259,20 @@ def fp8_block_linear_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: t
                 row_class(M))
         flags = dict(BN_W=block_n, BLOCK_K=block_k, COMPILED=_COMPILED, E8M0=e8m0, **pdl_flags(y))
         if config is None and not _COMPILED:        # the interpreter runs one tile per row class
-            config = dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=2, SWAP=True) if M <= 16 else dict(BLOCK_M=64, BLOCK_N=16)
+            config = dict(BLOCK_M=1, BLOCK_N=16, GROUPS=2, SPLIT_K=2) if M == 1 else \
+                dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=2, SWAP=True) if M <= 16 else dict(BLOCK_M=64, BLOCK_N=16)
         if config is None:
             _tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], triton.cdiv(M, meta["BLOCK_M"]))](
                 *args, **flags)
             split = _tuned.best_config.kwargs["SPLIT_K"]
         else:
             meta = {**dict(SPLIT_K=1, SWAP=False, num_warps=4, num_stages=3), **config}
-            if meta["SPLIT_K"] > MAX_SPLIT or (meta["SPLIT_K"] > 1 and (M > 32 or meta["BLOCK_M"] < M)):
+            one_row = meta["BLOCK_M"] == 1      # a program a row: splits at any row count up to 32
+            if meta["SPLIT_K"] > MAX_SPLIT or (meta["SPLIT_K"] > 1 and (M > 32 or (meta["BLOCK_M"] < M and not one_row))) \
+                    or (meta.get("GROUPS", 1) > 1 and not one_row):
                 raise ValueError(f"gemma4opt fp8_block_linear: config {config} (at most {MAX_SPLIT} splits, "
-                                 "and only with one program's rows: up to 32)")
+                                 "and only with one program's rows or one row a program, up to 32; GROUPS > 1 "
+                                 "only with BLOCK_M 1)")
             grid = (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], triton.cdiv(M, meta["BLOCK_M"]))
             _fp8_block_linear_kernel[grid](*args, **meta, **flags)
             split = meta["SPLIT_K"]
@@ -221,12 +281,14 @@ def fp8_block_linear_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: t
 
 
 def fp8_block_pairs_triton(x: torch.Tensor, idx: torch.Tensor, topk: int, w_fp8: torch.Tensor,
-                           w_scale_inv: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+                           w_scale_inv: torch.Tensor, block_n: int, block_k: int,
+                           config: dict | None = None) -> torch.Tensor:
     """MoE (token, expert) pairs: x [T, K] (or [P, K] with topk=1), idx [P] the expert of each pair
     (P = T * topk, pair p reads x's row p // topk), stacked experts w_fp8 [E, N, K] with tile scales
     [E, ceil(N / block_n), ceil(K / block_k)] -> [P, N] in x's dtype: each pair's row through its
-    expert's block-scaled GEMM (one pair a program, its row padded to the MMA's 16). A stack in x's
-    dtype (transformers leaves one that is not whole blocks unquantized): x @ W^T, its scales unread."""
+    expert's block-scaled GEMM (one pair a program: its row padded to the MMA's 16, or _group_row's
+    FMAs). A stack in x's dtype (transformers leaves one that is not whole blocks unquantized): x @ W^T,
+    its scales unread. ``config`` runs one unsplit tile (BLOCK_M 1 or 16) instead of the autotuned one."""
     E, N, K = w_fp8.shape
     P = idx.numel()
     fp8 = w_fp8.dtype == torch.float8_e4m3fn
@@ -248,9 +310,11 @@ def fp8_block_pairs_triton(x: torch.Tensor, idx: torch.Tensor, topk: int, w_fp8:
                 w_fp8.stride(0), ws.stride(0), 0)
         flags = dict(BN_W=block_n, BLOCK_K=block_k, COMPILED=_COMPILED, TOPK=topk, FP8_W=fp8, E8M0=e8m0,
                      **pdl_flags(y))
-        if _COMPILED:
+        if config is None and not _COMPILED:        # the interpreter runs one tile
+            config = dict(BLOCK_M=16, BLOCK_N=16, SWAP=True)
+        if config is None:
             _tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), 1, P)](*args, **flags)
         else:
-            _fp8_block_linear_kernel[(triton.cdiv(N, 16), 1, P)](*args, BLOCK_M=16, BLOCK_N=16, SPLIT_K=1, SWAP=True,
-                                                                  **flags)
+            meta = {**dict(SWAP=True, num_warps=4, num_stages=3), **config, "SPLIT_K": 1}
+            _fp8_block_linear_kernel[(triton.cdiv(N, meta["BLOCK_N"]), 1, P)](*args, **meta, **flags)
     return y

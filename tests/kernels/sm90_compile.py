@@ -104,8 +104,8 @@ def _variants():
               swn="i32", swsn="i32", sym="i32", swe="i32", swse="i32", ROWS="i32")
     for c in fp8_block_linear._configs():
         kw = c.kwargs
-        yield (f"fp8_block_linear {kw['BLOCK_M']}x{kw['BLOCK_N']}/{kw['SPLIT_K']} swap={kw['SWAP']} "
-               f"w{c.num_warps} s{c.num_stages}", fp8_block_linear._fp8_block_linear_kernel, fb,
+        yield (f"fp8_block_linear {kw['BLOCK_M']}x{kw['BLOCK_N']}/{kw['SPLIT_K']} swap={kw.get('SWAP', False)} "
+               f"g{kw.get('GROUPS', 1)} w{c.num_warps} s{c.num_stages}", fp8_block_linear._fp8_block_linear_kernel, fb,
                dict(kw, BN_W=128, BLOCK_K=128, COMPILED=True, PDL=True), c.num_warps, c.num_stages)
     # UE8M0 tile scales (their exponent bytes), at decode and prefill rows
     for bm, bn, w in ((16, 64, 4), (64, 128, 8)):
@@ -118,6 +118,10 @@ def _variants():
         yield (f"fp8_block_linear pairs 16x64 w4 s3 fp8_w={fp8_w}", fp8_block_linear._fp8_block_linear_kernel,
                dict(fb, W="*fp8e4nv" if fp8_w else BF16),
                dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=1, SWAP=True, BN_W=128, BLOCK_K=128, COMPILED=True, PDL=True,
+                    TOPK=8, FP8_W=fp8_w), 4, 3)
+        yield (f"fp8_block_linear pairs 1x4 g8 w4 s3 fp8_w={fp8_w}", fp8_block_linear._fp8_block_linear_kernel,
+               dict(fb, W="*fp8e4nv" if fp8_w else BF16),
+               dict(BLOCK_M=1, BLOCK_N=4, GROUPS=8, SPLIT_K=1, BN_W=128, BLOCK_K=128, COMPILED=True, PDL=True,
                     TOPK=8, FP8_W=fp8_w), 4, 3)
 
 

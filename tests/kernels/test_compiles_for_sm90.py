@@ -54,10 +54,15 @@ def test_row_sum_loads_are_pipelined_only_where_the_loop_asks(rows):
 
 
 def test_block_scaled_fp8_gemm_multiplies_e4m3_on_the_tensor_cores(rows):
-    """Every autotuned tile of the FineGrainedFP8 GEMM, its x tile quantized in registers: the dot is
-    an e4m3 wgmma (not an upcast), 4 instructions (K = 32 each) per 128-long group at least."""
+    """Every autotuned MMA tile of the FineGrainedFP8 GEMM, its x tile quantized in registers: the dot
+    is an e4m3 wgmma (not an upcast), 4 instructions (K = 32 each) per 128-long group at least. The
+    one-row tiles (FMAs, BLOCK_M 1) compile without one."""
     from gemma4opt.kernels.fp8_block_linear import _configs
 
     block = [r for r in rows if r["name"].startswith("fp8_block_linear") and not r["name"].endswith("fp8_w=False")]
-    assert len(block) == len(_configs()) + 3          # and UE8M0 scales at two row classes, the MoE pairs
-    assert all(r["ok"] and r["fp8_wgmma"] >= 4 for r in block), [(r["name"], r.get("fp8_wgmma")) for r in block]
+    one_row = [r for r in block if r["name"].startswith(("fp8_block_linear 1x", "fp8_block_linear pairs 1x"))]
+    assert len(block) == len(_configs()) + 4          # and UE8M0 scales at two row classes, the MoE pairs' two
+    assert len(one_row) == sum(c.kwargs["BLOCK_M"] == 1 for c in _configs()) + 1 >= 2
+    mma = [r for r in block if r not in one_row]
+    assert all(r["ok"] and r["fp8_wgmma"] >= 4 for r in mma), [(r["name"], r.get("fp8_wgmma")) for r in mma]
+    assert all(r["ok"] and r["fp8_wgmma"] == 0 for r in one_row), [(r["name"], r.get("fp8_wgmma")) for r in one_row]

@@ -50,11 +50,16 @@ def test_matches_reference(dtype, rows, n, k_, bn, bk):
                                     dict(BLOCK_M=32, BLOCK_N=16, SPLIT_K=4, SWAP=True),
                                     dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=8, SWAP=True),
                                     dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=2, SWAP=False),
-                                    dict(BLOCK_M=16, BLOCK_N=16)])
+                                    dict(BLOCK_M=16, BLOCK_N=16),
+                                    dict(BLOCK_M=1, BLOCK_N=16, GROUPS=1),
+                                    dict(BLOCK_M=1, BLOCK_N=4, GROUPS=2, SPLIT_K=2),
+                                    dict(BLOCK_M=1, BLOCK_N=8, GROUPS=8, SPLIT_K=3)])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_explicit_tiles_transposed_or_split(config, rows):
-    """W rows as the dot's M side or x's rows; K split in whole groups (K = 100 is 4 groups of 32, the
-    last short; 3 splits leave one empty, 8 leave four), summed in split order by the split-sum kernel."""
+    """W rows as the dot's M side or x's rows, or one row a program in FMAs (BLOCK_M 1), its groups
+    GROUPS an iteration (8 groups of 32 over 4 and a bit: the last iteration masks a short group and
+    three whole ones); K split in whole groups (K = 100 is 4 groups of 32, the last short; 3 splits
+    leave one empty, 8 leave four), summed in split order by the split-sum kernel."""
     x, wq, ws = _operands(rows, 50, 100, 16, 32, seed=config.get("SPLIT_K", 1))
     _check(fp8_block_linear_triton(x, wq, ws, 16, 32, config), x, wq, ws, 16, 32)
 
@@ -106,23 +111,29 @@ def test_refuses_what_it_cannot_run_and_empty_inputs():
         fp8_block_linear_triton(x, wq, ws[:2], 16, 32)
     with pytest.raises(ValueError, match="at most 16 splits"):
         fp8_block_linear_triton(x, wq, ws, 16, 32, dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=32, SWAP=True))
+    with pytest.raises(ValueError, match="GROUPS > 1 only with BLOCK_M 1"):
+        fp8_block_linear_triton(x, wq, ws, 16, 32, dict(BLOCK_M=16, BLOCK_N=16, GROUPS=2, SWAP=True))
     with pytest.raises(ValueError, match="up to 32"):
         fp8_block_linear_triton(*_operands(40, 40, 96, 16, 32), 16, 32, dict(BLOCK_M=64, BLOCK_N=16, SPLIT_K=2))
     assert fp8_block_linear_triton(x[:0], wq, ws, 16, 32).shape == (0, 40)
 
 
-@pytest.mark.parametrize("rows,classes", [(1, {16}), (9, {16}), (32, {32}), (33, {64, 128})])
+@pytest.mark.parametrize("rows,classes", [(1, {1, 16}), (9, {16}), (32, {32}), (33, {64, 128})])
 def test_autotuned_launch_binds_every_parameter_and_tunes_per_row_class(monkeypatch, rows, classes):
     """The autotuned entry, with the kernel launch and its timing replaced (they need a GPU): every
     candidate and the final launch bind each kernel parameter, ROWS keys the row class, and the
-    candidates are that class's tiles."""
+    candidates are that class's tiles (one row: the MMA's 16-row tiles and the FMA's one-row tiles;
+    17-32 rows: at most 4 K splits, their partials being 32 rows of N)."""
     launches = record_tuned_launches(monkeypatch, k, k._tuned)
     x, wq, ws = _operands(rows, 40, 256, 128, 128)
     fp8_block_linear_triton(x, wq, ws, 128, 128)
     assert {b["ROWS"] for b in launches} == {k.row_class(rows)}
     assert {b["BLOCK_M"] for b in launches[:-1]} == classes
     assert all(b["BLOCK_K"] == 128 and b["BN_W"] == 128 for b in launches)
-    assert len(launches) == 1 + sum(c.kwargs["BLOCK_M"] in classes for c in k._tuned.configs)
+    split = 16 if rows <= 16 else 4 if rows <= 32 else 1
+    assert all(b["SPLIT_K"] <= split for b in launches)
+    assert len(launches) == 1 + sum(c.kwargs["BLOCK_M"] in classes and c.kwargs["SPLIT_K"] <= split
+                                    for c in k._tuned.configs)
 
 
 def _experts(E, n, k_, bn, bk, seed):
@@ -180,6 +191,28 @@ def test_moe_pairs_with_a_stack_left_in_the_model_dtype():
     none = torch.empty(0).to(DEVICE)
     got = moe_pairs(x, idx, w, gu, gus, dn, none, 32, 32)
     _check_experts(got, moe_experts_fp8_block_reference(x, idx, w, gu, gus, dn, none, 32, 32))
+
+
+@pytest.mark.parametrize("config", [dict(BLOCK_M=16, BLOCK_N=16, SWAP=True), dict(BLOCK_M=1, BLOCK_N=8, GROUPS=2),
+                                    dict(BLOCK_M=1, BLOCK_N=16, GROUPS=4)])
+@pytest.mark.parametrize("fp8", [True, False])
+def test_moe_pairs_tiles_equal_each_pairs_linear(config, fp8):
+    """Each pairs tile (the MMA's, padded to 16 rows; the FMA's, one row) against the block GEMM's
+    reference per pair: pair p is x's row p // topk through expert idx[p] (K = 100: 3 whole groups
+    of 32 and a short one; a stack in the model's dtype is F.linear's)."""
+    E, N, K, T, topk = 4, 40, 100, 3, 2
+    wq, ws = _experts(E, N, K, 16, 32, seed=5)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(T, K, generator=g).to(DEVICE)
+    idx = torch.tensor([3, 0, 1, 3, 2, 0]).to(DEVICE)
+    w = wq if fp8 else (torch.randn(E, N, K, generator=g) / K ** 0.5).to(DEVICE)
+    got = k.fp8_block_pairs_triton(x, idx, topk, w, ws, 16, 32, config)
+    for p in range(T * topk):
+        e = int(idx[p])
+        if fp8:
+            _check(got[p:p + 1], x[p // topk:p // topk + 1], wq[e], ws[e], 16, 32)
+        else:
+            close(got[p], x[p // topk] @ w[e].T, torch.float32)
 
 
 def test_moe_pairs_refuse_mismatched_operands():
