@@ -7,6 +7,7 @@ One JSON-lines file per suite, every row carrying its run id, the commit that re
 machine and the command that measured it: generate_<machine>.jsonl (bench_generate.py),
 kernels_<machine>.jsonl (bench_kernels.py), attention_<machine>.jsonl (bench_attention.py),
 sweeps_<machine>.jsonl (launch-configuration sweeps), fp8_linear_sweeps_<machine>.jsonl (sweep_fp8_linear.py),
+fp8_block_sweeps_<machine>.jsonl (bench_kernels.py --sweep-fp8-block),
 moe_prefill_<machine>.jsonl (bench_moe_prefill.py); profile_<machine>.txt is profile_decode.py's
 printout. Ratios compare rows of the same run, same batch and prompt only.
 """
@@ -223,6 +224,22 @@ def fp8_linear_sweeps_section(rows):
                    _f(r["gb_s_best"], "{:.0f}"), "`" + (r["best"][0] if r["best"] else "—") + "`"])
 
 
+def fp8_block_sweeps_section(rows):
+    return _table_section(
+        "Block-scaled fp8 GEMM tiles", "FineGrainedFP8 checkpoints' GEMM (128 x 128 blocks, the input quantized per "
+        "token and 128-long group inside it) on a preset's decode GEMMs (`bench_kernels.py --sweep-fp8-block`, each "
+        "call replayed in a CUDA graph): the fp8 weight's bytes at the measured copy bandwidth, F.linear in bf16, "
+        "the per-channel fp8 GEMM on the same weight (input quantized beforehand), the tile the autotuner chose when "
+        "the sweep ran, and the best tile. `BLOCK_M` 1 is the one-row FMA tile, 16 the tensor-core tile with the "
+        "rows padded.", rows,
+        ["preset", "M", "GEMM", "fp8 bytes µs", "bf16 µs", "per-channel fp8 µs", "autotuned µs", "best µs",
+         "best tile"],
+        ["---", "---:", "---", "---:", "---:", "---:", "---:", "---:", "---"],
+        lambda r: [r["preset"], str(r["M"]), r["op"], _f(r["weight_floor_us"]), _f(r["bf16 F.linear"]),
+                   _f(r["per-channel fp8"]), _f(r["autotuned"]), _f(r["best_us"][0] if r["best_us"] else None),
+                   "`" + (r["best"][0] if r["best"] else "—") + "`"])
+
+
 def profile_section():
     out = ["## profile", ""]
     for path in sorted(glob.glob(os.path.join(RESULTS, "profile_*.txt"))):
@@ -253,6 +270,7 @@ def render() -> str:
     lines += fp8_quality_section(_rows("fp8_quality_*.jsonl"))
     lines += sweeps_section(_rows("sweeps_*.jsonl"))
     lines += fp8_linear_sweeps_section(_rows("fp8_linear_sweeps_*.jsonl"))
+    lines += fp8_block_sweeps_section(_rows("fp8_block_sweeps_*.jsonl"))
     lines += profile_section()
     return "\n".join(lines).rstrip() + "\n"
 
