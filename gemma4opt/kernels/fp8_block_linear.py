@@ -104,6 +104,18 @@ def _group_row(acc, x_row, w_rows, s_rows, k0, K, nmask, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
+def _k_step(acc, X, row, w_rows, s_rows, k0, K, nmask, m, mmask, sxm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, GROUPS: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr,
+            FP8_W: tl.constexpr, E8M0: tl.constexpr):
+    """One iteration of the K loop: GROUPS groups of the program's row (BLOCK_M 1), else one group of its tile."""
+    if BLOCK_M == 1:
+        acc = _group_row(acc, X + row * sxm, w_rows, s_rows, k0, K, nmask, BLOCK_N, BLOCK_K, GROUPS, FP8_W, E8M0)
+    else:
+        acc = _group_tile(acc, X, w_rows, s_rows, k0, K, nmask, m, mmask, sxm, BLOCK_K, COMPILED, SWAP, FP8_W, E8M0)
+    return acc
+
+
+@triton.jit
 def _fp8_block_linear_kernel(X, W, WS, Y, P, IDX, M, N, K, sxm, swn, swsn, sym, swe, swse, ROWS, BN_W: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr = False,
@@ -142,21 +154,13 @@ def _fp8_block_linear_kernel(X, W, WS, Y, P, IDX, M, N, K, sxm, swn, swsn, sym, 
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if COMPILED:
         for k0 in range(lo, hi, BLOCK_K * GROUPS):
-            if BLOCK_M == 1:
-                acc = _group_row(acc, X + row * sxm, w_rows, s_rows, k0, hi, nmask, BLOCK_N, BLOCK_K, GROUPS, FP8_W,
-                                 E8M0)
-            else:
-                acc = _group_tile(acc, X, w_rows, s_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_K, COMPILED, SWAP,
-                                  FP8_W, E8M0)
+            acc = _k_step(acc, X, row, w_rows, s_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_N, BLOCK_K,
+                          GROUPS, COMPILED, SWAP, FP8_W, E8M0)
     else:           # the interpreter takes no runtime range() bound
         k0 = lo
         while k0 < hi:
-            if BLOCK_M == 1:
-                acc = _group_row(acc, X + row * sxm, w_rows, s_rows, k0, hi, nmask, BLOCK_N, BLOCK_K, GROUPS, FP8_W,
-                                 E8M0)
-            else:
-                acc = _group_tile(acc, X, w_rows, s_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_K, COMPILED, SWAP,
-                                  FP8_W, E8M0)
+            acc = _k_step(acc, X, row, w_rows, s_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_N, BLOCK_K,
+                          GROUPS, COMPILED, SWAP, FP8_W, E8M0)
             k0 += BLOCK_K * GROUPS
     if BLOCK_M == 1:
         y = tl.sum(acc, 1)
