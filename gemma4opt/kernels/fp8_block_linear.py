@@ -12,7 +12,8 @@ re-quantization per N tile is 1 / BLOCK_N of the MMA's work.
 
 Row classes: 1-16 rows (padded to 16) and 17-32 take W's rows as the dot's M side (SWAP, as
 kernels/fp8_linear.py), optionally split along K in whole groups (fp32 partials summed in split
-order by skinny_linear's split-sum kernel); more rows take 64-128-row tiles of x. The tile is
+order by skinny_linear's split-sum kernel); more rows take 64-128-row tiles of x. One row may also
+take FMA tiles (BLOCK_M 1, ``_group_row``: no padding, several groups an iteration). The tile is
 autotuned per (N, K, block_n, row class) on the first call.
 
 MoE pairs (``fp8_block_pairs_triton``, transformers' FP8Experts at decode): one (token, expert) pair a
