@@ -18,12 +18,19 @@ class PatternRow:
     summary: str
     matched: int | None          # per captured graph (all graphs agree) or None before the first call
     matched_per_graph: list[int]
-    expected: int
+    expected: int                # the config's formula: every site a fully fused graph has
     unfused: list[str]
+    not_applicable_per_graph: list[int] = field(default_factory=list)   # sites the fusion leaves by design
+    not_applicable: list[str] = field(default_factory=list)             # and why
+
+    def expected_per_graph(self) -> list[int]:
+        """What each captured graph should match: the formula less its sites left by design."""
+        na = self.not_applicable_per_graph or [0] * len(self.matched_per_graph)
+        return [self.expected - n for n in na]
 
     @property
     def complete(self) -> bool:
-        return bool(self.matched_per_graph) and all(m == self.expected for m in self.matched_per_graph)
+        return bool(self.matched_per_graph) and self.matched_per_graph == self.expected_per_graph()
 
 
 @dataclass
@@ -97,9 +104,14 @@ class Report:
                 got = "-" if not r.matched_per_graph else (
                     str(r.matched) if r.matched is not None else "/".join(map(str, r.matched_per_graph)))
                 status = "ok" if r.complete else ("not run yet" if not r.matched_per_graph else "INCOMPLETE")
-                lines.append(f"  {r.pattern:<{w}}  {got:>9}  {r.expected:>8}  {status}")
+                want = sorted(set(r.expected_per_graph())) or [r.expected]
+                lines.append(f"  {r.pattern:<{w}}  {got:>9}  {'/'.join(map(str, want)):>8}  {status}")
                 for why in r.unfused:
                     lines.append(f"  {'':<{w}}    unfused: {why}")
+                if any(r.not_applicable_per_graph):
+                    na = "/".join(map(str, sorted(set(r.not_applicable_per_graph))))
+                    lines.append(f"  {'':<{w}}    not applicable at {na} of its {r.expected} sites: "
+                                 + "; ".join(r.not_applicable))
         return "\n".join(lines)
 
 
@@ -109,7 +121,8 @@ def build_report(model) -> Report:
     for st in state.stats.values():
         per = list(st.matched_per_graph)
         matched = per[0] if per and all(m == per[0] for m in per) else None
-        rows.append(PatternRow(st.name, st.summary, matched, per, st.expected, list(st.unfused)))
+        rows.append(PatternRow(st.name, st.summary, matched, per, st.expected, list(st.unfused),
+                               list(st.not_applicable_per_graph), list(st.not_applicable)))
     attention = "hf (HF attention over HF's cache)"
     kv_cache = ""
     ctx = state.context

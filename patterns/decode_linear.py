@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
-from gemma4opt.compiler.regions import module_stack, place, regions_of_type
+from gemma4opt.compiler.pattern import BLOCK_FP8_OP, BLOCK_FP8_WHY, PassContext, PassResult, Pattern
+from gemma4opt.compiler.regions import module_name, place, regions_of_type
 
 _BLOCKS = ("Gemma4TextAttention", "Gemma4TextMLP")
 _PLE = ("per_layer_input_gate", "per_layer_projection")     # a decoder layer's own PLE linears
@@ -46,6 +46,9 @@ class DecodeLinearPattern(Pattern):
                 linears = region.by_op("linear")
                 if not linears and region.by_op("fp8_linear.default"):
                     continue
+                if not linears and region.by_op(BLOCK_FP8_OP):
+                    res.not_applicable.append(BLOCK_FP8_WHY)
+                    continue
                 biased = [n for n in linears if _biased(n)]
                 if not linears or biased:
                     res.unfused.append(f"{region.path}: " + ("a linear has a bias" if biased else "no linear found"))
@@ -53,7 +56,10 @@ class DecodeLinearPattern(Pattern):
                 _replace(gm.graph, linears)
                 res.matched += 1
         for layer in regions_of_type(gm.graph, "Gemma4TextDecoderLayer", subtree=True):
-            ple = [n for n in layer.by_op("linear") if module_stack(n)[-1][0].rsplit(".", 1)[-1] in _PLE]
+            ple = [n for n in layer.by_op("linear") if module_name(n) in _PLE]
+            if not ple and any(module_name(n) in _PLE for n in layer.by_op(BLOCK_FP8_OP)):
+                res.not_applicable.append(BLOCK_FP8_WHY)
+                continue
             if not ple:
                 continue
             if len(ple) != 2 or any(_biased(n) for n in ple):

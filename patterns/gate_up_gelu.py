@@ -21,7 +21,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
+from gemma4opt.compiler.pattern import BLOCK_FP8_OP, BLOCK_FP8_WHY, PassContext, PassResult, Pattern
 from gemma4opt.compiler.regions import op_name, place, regions_of_type
 
 
@@ -49,6 +49,9 @@ class GateUpGeluPattern(Pattern):
         graph = gm.graph
         for region in regions_of_type(graph, "Gemma4TextMLP", subtree=True):
             if region.by_op("fp8_linear.default"):
+                continue
+            if region.by_op(BLOCK_FP8_OP) and not region.by_op("linear.default"):
+                res.not_applicable.append(BLOCK_FP8_WHY)
                 continue
             gelus = region.by_op("gelu_tanh_mul.default")
             why = "no gemma4opt.gelu_tanh_mul of a merged gemma4opt.linear's halves" if len(gelus) != 1 else None

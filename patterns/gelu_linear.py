@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
-from gemma4opt.compiler.regions import module_stack, op_name, place, regions_of_type
+from gemma4opt.compiler.pattern import BLOCK_FP8_OP, BLOCK_FP8_WHY, PassContext, PassResult, Pattern
+from gemma4opt.compiler.regions import module_name, op_name, place, regions_of_type
 
 # (region type, the GEMM's module name): the down projection of a dense MLP, a layer's PLE projection.
 _SITES = (("Gemma4TextMLP", "down_proj"), ("Gemma4TextDecoderLayer", "per_layer_projection"))
@@ -47,7 +47,10 @@ class GeluLinearPattern(Pattern):
             for region in regions_of_type(graph, type_name, subtree=True):
                 if type_name == "Gemma4TextMLP" and region.by_op("fp8_linear.default"):
                     continue
-                lins = [n for n in region.by_op("linear.default") if module_stack(n)[-1][0].rsplit(".", 1)[-1] == proj]
+                lins = [n for n in region.by_op("linear.default") if module_name(n) == proj]
+                if not lins and any(module_name(n) == proj for n in region.by_op(BLOCK_FP8_OP)):
+                    res.not_applicable.append(BLOCK_FP8_WHY)
+                    continue
                 if type_name == "Gemma4TextDecoderLayer" and not lins:
                     continue            # a layer without per-layer inputs
                 why = _fuse(graph, lins)

@@ -28,8 +28,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
-from gemma4opt.compiler.regions import module_stack, op_name, place
+from gemma4opt.compiler.pattern import BLOCK_FP8_OP, BLOCK_FP8_WHY, PassContext, PassResult, Pattern
+from gemma4opt.compiler.regions import module_name, op_name, place
 
 
 class NormLinearPattern(Pattern):
@@ -55,7 +55,9 @@ class NormLinearPattern(Pattern):
                 got = _fuse_sum(graph, node)
             else:
                 continue
-            if isinstance(got, str):
+            if got == BLOCK_FP8_WHY:
+                res.not_applicable.append(got)
+            elif isinstance(got, str):
                 res.unfused.append(f"{node.name}: {got}")
             else:
                 res.matched += got
@@ -69,8 +71,7 @@ _GEMMS = ("q_proj", "k_proj", "v_proj", "per_layer_input_gate")
 
 
 def _site(gemm: fx.Node) -> bool:
-    stack = module_stack(gemm)
-    return not gemm.kwargs and bool(stack) and stack[-1][0].rsplit(".", 1)[-1] in _GEMMS
+    return not gemm.kwargs and module_name(gemm) in _GEMMS
 
 
 def _gemm_of(inputs: list[fx.Node], target: str) -> fx.Node | None:
@@ -93,14 +94,22 @@ def _row_slice(node: fx.Node, dims: int = 3):
     return idx if dims == 2 or idx[-1] == slice(None, None, None) else None
 
 
-def _feeds_site(values: list[fx.Node]) -> bool:
-    """Whether a GEMM of ``_GEMMS`` reads one of ``values``, directly or through one node."""
+def _feeds_site(values: list[fx.Node], ops=("linear.default", "fp8_linear.default")) -> bool:
+    """Whether a GEMM (one of ``ops``) of ``_GEMMS`` reads one of ``values``, directly or through one node."""
     near = {u for v in values if v is not None for u in v.users}
     near |= {w for u in near for w in u.users}
-    return any(op_name(n) in ("linear.default", "fp8_linear.default") and _site(n) for n in near)
+    return any(op_name(n) in ops and _site(n) for n in near)
 
 
 _WHY = "a q/k/v or per-layer-input gate GEMM reads it, but not as its only input reader (or through another slice)"
+
+
+def _why_not(values: list[fx.Node]) -> int | str:
+    """A tail that fuses with no GEMM: BLOCK_FP8_WHY where a FineGrainedFP8 projection reads it (by
+    design), _WHY where a GEMM of ``_GEMMS`` does in a way the fusion does not take, else 0 (none)."""
+    if _feeds_site(values, (BLOCK_FP8_OP,)):
+        return BLOCK_FP8_WHY
+    return _WHY if _feeds_site(values) else 0
 
 
 def _fuse_tail(graph: fx.Graph, tail: fx.Node, fp8: bool) -> int | str:
@@ -109,7 +118,7 @@ def _fuse_tail(graph: fx.Graph, tail: fx.Node, fp8: bool) -> int | str:
     gets = {u.args[1]: u for u in tail.users if op_name(u) == "getitem"}
     s, outs = gets.get(0), [gets.get(1), gets.get(2)] if fp8 else [gets.get(1)]
     if any(v is None or len(v.users) != 1 for v in outs) or tail.kwargs:
-        return _WHY if _feeds_site(outs) else 0
+        return _why_not(outs)
     target = "fp8_linear.default" if fp8 else "linear.default"
     firsts = [next(iter(v.users)) for v in outs]
     idx = _row_slice(firsts[0])
@@ -121,7 +130,7 @@ def _fuse_tail(graph: fx.Graph, tail: fx.Node, fp8: bool) -> int | str:
         gemm_inputs = firsts
     gemm = _gemm_of(gemm_inputs, target)
     if gemm is None:
-        return _WHY if _feeds_site(outs) else 0
+        return _why_not(outs)
     args = tail.args
     new, sums = [], [s] if s is not None else []
     if gemm_inputs is not outs:
@@ -143,7 +152,7 @@ def _fuse_sum(graph: fx.Graph, tail: fx.Node) -> int | str:
     fused, 0 where no such GEMM reads it, else why not."""
     lins = [u for u in tail.users if op_name(u) == "linear.default" and u.args[0] is tail and _site(u)]
     if not lins:
-        return _WHY if _feeds_site([tail]) else 0
+        return _why_not([tail])
     if len(lins) != 1 or tail.kwargs:
         return f"{len(lins)} GEMMs read its sum (one expected)"
     x, w, eps, residual, _, y_eps, _ = tail.args

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
-from gemma4opt.compiler.regions import module_stack, op_name, place
+from gemma4opt.compiler.regions import innermost, module_name, op_name, place
 
 _RMS = "rms_norm.default"
 
@@ -78,12 +78,11 @@ class NormRopePattern(Pattern):
         for norm in list(gm.graph.nodes):
             if op_name(norm) != _RMS or norm.args[1] is None:
                 continue
-            stack = module_stack(norm)
-            if not stack or stack[-1][0].rsplit(".", 1)[-1] not in ("q_norm", "k_norm"):
+            if module_name(norm) not in ("q_norm", "k_norm"):
                 continue
             m, why = match_rope(norm)
             if m is None:
-                res.unfused.append(f"{stack[-1][0]}: {why}")
+                res.unfused.append(f"{innermost(norm)[0]}: {why}")
                 continue
             x, w, eps = norm.args
             out = m["out"]

@@ -20,6 +20,8 @@ class PatternStats:
     expected: int
     matched_per_graph: list[int] = field(default_factory=list)
     unfused: dict[str, None] = field(default_factory=dict)   # ordered set of "where: why"
+    not_applicable_per_graph: list[int] = field(default_factory=list)     # sites left by design
+    not_applicable: dict[str, None] = field(default_factory=dict)        # ordered set of their whys
 
 
 class PassManager:
@@ -47,8 +49,11 @@ class PassManager:
             gm.recompile()
             st = self.stats[pattern.name]
             st.matched_per_graph.append(result.matched)
+            st.not_applicable_per_graph.append(len(result.not_applicable))
             for why in result.unfused:
                 st.unfused[why] = None
+            for why in result.not_applicable:
+                st.not_applicable[why] = None
             self._dump(gm, graph_index, i, f"after_{pattern.name}")
         self.op_counts.append(collections.Counter(   # "gemma4opt.<op>", whether traced as packet or overload
             str(n.target).removesuffix(".default") for n in gm.graph.nodes

@@ -36,10 +36,19 @@ class PassContext:
         return node
 
 
+# A FineGrainedFP8 checkpoint's projections run gemma4opt::fp8_block_linear, which quantizes its input
+# per group itself: the fusions that take a gemma4opt.linear do not apply to them, by design.
+BLOCK_FP8_OP = "fp8_block_linear.default"
+BLOCK_FP8_WHY = ("a FineGrainedFP8 checkpoint's projection, run by gemma4opt.fp8_block_linear (which quantizes its "
+                 "own input): this pattern takes the model's plain linears")
+
+
 @dataclass
 class PassResult:
     matched: int = 0
     unfused: list[str] = field(default_factory=list)   # "where: why" for each block left as is
+    # why, once per site the fusion does not apply to by design (its expected count leaves them out)
+    not_applicable: list[str] = field(default_factory=list)
 
 
 class Pattern:

@@ -56,6 +56,12 @@ def innermost(node: fx.Node) -> tuple[str, str] | None:
     return stack[-1] if stack else None
 
 
+def module_name(node: fx.Node) -> str:
+    """The innermost module's own name ("q_proj", "down_proj", ...), "" outside any module."""
+    inner = innermost(node)
+    return inner[0].rsplit(".", 1)[-1] if inner else ""
+
+
 def is_compute(node: fx.Node) -> bool:
     if node.op not in _COMPUTE_OPS:
         return False

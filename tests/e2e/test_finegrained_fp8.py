@@ -11,6 +11,7 @@ import torch
 import gemma4opt
 import gemma4opt.api as api
 from gemma4opt import Gemma4OptConfig
+from gemma4opt.compiler.pattern import BLOCK_FP8_WHY
 from gemma4opt.edits import InstanceEdits
 from gemma4opt.ops.fp8 import FP8_DTYPE
 from gemma4opt.ops.fp8_checkpoint import (adopt_fp8_modules, adopted, experts_unsupported, is_hf_fp8_linear,
@@ -89,6 +90,18 @@ def test_report_says_what_runs_which_forward():
     assert "quantized checkpoint's own modules" not in rep.weights
     row = rep.row("merged_projections")     # each q/k/v and gate/up: one block-scaled GEMM
     assert row.complete and row.matched == row.expected > 0, (row.matched, row.expected, row.unfused)
+    # The fusions that take a plain linear leave the block-scaled projections by design: each pattern
+    # is complete on the rest (the fp32 per-layer-input projections), its other sites listed as not
+    # applicable, not as unfused. 5 layers: q/k/v and the MLP (decode_linear), the MLP's gate/up and
+    # down (gate_up_gelu, gelu_linear), the next layer's q/k/v reading a layer's tail (norm_linear).
+    L = model.config.get_text_config().num_hidden_layers
+    for name, na in (("decode_linear", 2 * L), ("gate_up_gelu", L), ("gelu_linear", L), ("norm_linear", L - 1)):
+        row = rep.row(name)
+        assert row.complete and not row.unfused, (name, row.matched_per_graph, row.unfused)
+        assert set(row.not_applicable_per_graph) == {na} and row.not_applicable == [BLOCK_FP8_WHY], name
+    ran = [r for r in rep.rows if r.matched_per_graph]      # (the paged-only ones: no paged graph yet)
+    assert all(r.complete for r in ran), [(r.pattern, r.matched_per_graph, r.expected) for r in ran]
+    assert f"not applicable at {L - 1} of its {2 * L - 1} sites: {BLOCK_FP8_WHY}" in str(rep)
 
 
 def test_fp8_experts_run_gemma4opts_op_and_are_reported():
