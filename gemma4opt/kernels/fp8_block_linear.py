@@ -192,10 +192,12 @@ def _fp8_block_linear_kernel(X, W, WS, Y, P, IDX, M, N, K, sxm, swn, swsn, sym, 
 _DECODE = [(128, 8, 1, 3), (128, 8, 2, 3), (128, 8, 4, 3), (128, 8, 8, 3), (128, 8, 16, 3), (128, 8, 16, 4),
            (64, 4, 1, 3), (64, 4, 1, 4), (64, 4, 16, 3)]
 # One row (a batch-1 decode step, a MoE pair): (BLOCK_N, GROUPS, warps, splits, stages) of _group_row's
-# FMA tiles, beside the MMA's 16-row ones (the autotuner takes the faster); few W rows and many groups
-# an iteration, as the per-channel fp8 GEMM's fastest one-row tiles (2-4 rows, 2048 of K).
-_ROW = [(2, 16, 4, 1, 3), (4, 8, 4, 1, 3), (4, 16, 4, 1, 3), (8, 4, 4, 1, 3), (8, 8, 8, 1, 3), (4, 8, 4, 2, 3),
-        (16, 4, 4, 1, 3)]
+# FMA tiles, beside the MMA's 16-row ones (the autotuner takes the faster): 8-16 W rows, 4-16 groups an
+# iteration, K unsplit or halved, the fastest at each of the e4b's GEMMs in bench_kernels.py
+# --sweep-fp8-block on the H200 (1.0-1.5x faster there than the autotuner's pick among the tiles first
+# listed here; not yet timed end to end).
+_ROW = [(8, 4, 4, 1, 3), (8, 4, 4, 2, 3), (16, 4, 4, 1, 3), (16, 4, 4, 2, 3), (8, 16, 4, 1, 3), (8, 8, 4, 2, 3),
+        (4, 16, 4, 1, 3), (8, 8, 8, 1, 3)]
 _TUNED_SPLIT = max(t[2] for t in _DECODE)
 DECODE_SPLIT_32 = 4
 _PREFILL = [(64, 128, 4, 3), (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4, 4), (128, 64, 8, 3)]
