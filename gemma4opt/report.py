@@ -104,15 +104,21 @@ class Report:
                 got = "-" if not r.matched_per_graph else (
                     str(r.matched) if r.matched is not None else "/".join(map(str, r.matched_per_graph)))
                 status = "ok" if r.complete else ("not run yet" if not r.matched_per_graph else "INCOMPLETE")
-                want = sorted(set(r.expected_per_graph())) or [r.expected]
-                lines.append(f"  {r.pattern:<{w}}  {got:>9}  {'/'.join(map(str, want)):>8}  {status}")
+                lines.append(f"  {r.pattern:<{w}}  {got:>9}  {_per_graph(r.expected_per_graph(), r.expected):>8}  "
+                             f"{status}")
                 for why in r.unfused:
                     lines.append(f"  {'':<{w}}    unfused: {why}")
                 if any(r.not_applicable_per_graph):
-                    na = "/".join(map(str, sorted(set(r.not_applicable_per_graph))))
-                    lines.append(f"  {'':<{w}}    not applicable at {na} of its {r.expected} sites: "
-                                 + "; ".join(r.not_applicable))
+                    lines.append(f"  {'':<{w}}    not applicable at {_per_graph(r.not_applicable_per_graph, 0)} of its "
+                                 f"{r.expected} sites: " + "; ".join(r.not_applicable))
         return "\n".join(lines)
+
+
+def _per_graph(counts: list[int], default: int) -> str:
+    """One count where every captured graph agrees, else each graph's, in graph order (as "matched")."""
+    if not counts:
+        return str(default)
+    return str(counts[0]) if all(c == counts[0] for c in counts) else "/".join(map(str, counts))
 
 
 def build_report(model) -> Report:

@@ -4,7 +4,7 @@ import pytest
 import gemma4opt
 from gemma4opt.api import get_state
 from gemma4opt.ops.state import OpState
-from gemma4opt.report import _decode_experts, _decode_gemms, format_bytes
+from gemma4opt.report import PatternRow, _decode_experts, _decode_gemms, format_bytes
 from tests.models import tiny
 
 
@@ -49,3 +49,19 @@ def test_cuda_wording_is_kept():
                                                    "cuBLAS on the rest")
     assert _decode_experts("cuda", state).startswith("gemma4opt's decode kernels on 1 of 1 shapes timed")
     assert _decode_gemms("meta", state).startswith("reference ops (META)")
+
+
+def test_sites_left_by_design_come_off_each_graphs_expected_count():
+    """A pattern row whose graphs left some sites by design (not applicable): complete when each graph
+    matched the formula less its own such sites; the table shows one count where the graphs agree,
+    else each graph's in graph order, as the matched column does."""
+    why = "a FineGrainedFP8 checkpoint's projection"
+    row = PatternRow("p", "", None, [5, 3], 9, [], [4, 6], [why])
+    assert row.expected_per_graph() == [5, 3] and row.complete
+    assert not PatternRow("p", "", None, [5, 5], 9, [], [4, 6], [why]).complete
+    assert PatternRow("p", "", 9, [9], 9, []).complete             # none left by design
+    rep = gemma4opt.report(gemma4opt.optimize(tiny("tiny")), print_table=False)
+    rep.rows = [row]
+    lines = str(rep).splitlines()
+    assert lines[-2].split() == ["p", "5/3", "5/3", "ok"]
+    assert lines[-1].strip() == f"not applicable at 4/6 of its 9 sites: {why}"
