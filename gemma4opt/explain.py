@@ -49,7 +49,7 @@ def explain(model, out_dir: str, input_ids: torch.Tensor | None = None, max_new_
         input_ids = torch.arange(3, 11, device=next(model.parameters()).device).remainder(vocab)[None]
     torch._dynamo.reset()
     for st in state.stats.values():
-        st.matched_per_graph.clear()
+        st.forget_graphs()
     state.pass_manager.explain_dir = out_dir
     state.pass_manager.explain_first_graph = state.graphs_compiled
     try:

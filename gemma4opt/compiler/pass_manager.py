@@ -23,6 +23,11 @@ class PatternStats:
     not_applicable_per_graph: list[int] = field(default_factory=list)     # sites left by design
     not_applicable: dict[str, None] = field(default_factory=dict)        # ordered set of their whys
 
+    def forget_graphs(self) -> None:
+        """Drop the per-graph counts (explain() recaptures every graph); the reasons stay."""
+        self.matched_per_graph.clear()
+        self.not_applicable_per_graph.clear()
+
 
 class PassManager:
     def __init__(self, patterns: list[Pattern], ctx_factory, stats: dict[str, PatternStats]):
