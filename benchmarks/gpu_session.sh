@@ -161,6 +161,9 @@
 #   profile-layers  profile_decode.py at batch 1, PDL off, every kernel of one step in order: the 31b x 12
 #              with fp8 weights and lm_head (200 s), the e4b in bf16 (170 s); then the 31b x 12 bf16 one-liner
 #              with its timed GEMM picks against every decode GEMM on Triton (200 s).
+#   layer-table  profile_decode.py's per-layer table (benchmarks/layer_timeline.py) of one decode step at batch 1,
+#              PDL on so that each layer's time is its real one: launches, idle time and bytes against the copy
+#              bandwidth per layer kind; the e4b, e2b and 26b-a4b in bf16 (170 / 130 / 170 s).
 #   step-share  generate's ms per step beside the decode step's device time alone (its CUDA graph replayed back to
 #              back) and its launch's host time, 5 repeats each with every repeat's figure and the garbage collector's
 #              time inside them: the e4b at batch 1 with fp8 weights + lm_head and in bf16 (330 s), the 26b-a4b at
@@ -465,6 +468,11 @@ for s in $(for a in "$@"; do parts "$a"; done); do
             --attention paged --per-category 30
       stage bf16-picks-31b 180 $GEN 31b --layers 12 --batch 1 --systems gemma4opt gemma4opt-triton-gemms \
             --json "$OUT/generate.jsonl" ;;
+    layer-table)
+      for p in e4b e2b 26b-a4b; do
+        stage layer-table-$p 170 python3 benchmarks/profile_decode.py --preset $p --new 16 --attention paged \
+              --per-category 12
+      done ;;
     fp8-quality-paired)
       # FP8 quality at depth on the GPU (gemma4opt's fp8 kernels, not the CPU references): the e4b and 26b-a4b at
       # full depth, then the 31b x 12, 8 x 256 teacher-forced positions, each KL against the anchor's paired by

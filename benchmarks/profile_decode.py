@@ -15,15 +15,21 @@ import torch
 
 import gemma4opt
 from gemma4opt.presets import ALL_PRESETS, build_model, finegrained_fp8_
+from layer_timeline import Kernel, layer_stats, report, split_layers
+from roofline import copy_bandwidth, kv_bytes_per_layer, weight_bytes_per_layer
 
 
 # Kernel name fragments per category: what a decode step's device time goes to.
 CATEGORIES = [("gemm", ("nvjet", "gemm", "splitKreduce", "cutlass_80_tensorop", "sm90_xmma", "_skinny_kernel",
-                      "_fp8_linear", "_split_sum")),
+                      "_fp8_linear", "_fp8_block_linear", "_norm_linear", "_norm_fp8_linear", "_gate_up_gelu_kernel",
+                      "_split_sum")),
               ("attention", ("sdpa", "fmha", "flash", "BatchDecode", "BatchPrefill", "Attention",
                              "_decode_split_kernel", "_merge_kernel")),
-              ("gemma4opt triton", ("_rms_norm", "_add_rms_norm", "_gelu_tanh_mul", "_softcap", "_moe_router",
-                                       "_qkv_norm_rope_append", "_kv_append")),
+              ("moe experts", ("_gate_up_kernel", "_down_kernel", "_grouped_gate_up", "_grouped_down",
+                               "_combine_kernel")),
+              ("gemma4opt triton", ("_rms_norm", "_add_rms_norm", "_gelu_tanh_mul", "_softcap", "_router",
+                                    "_qkv_norm_rope_append", "_kv_append", "_norm_add", "_rope_cos_sin",
+                                    "_quantize_rows", "_split_amax", "_split_quant", "_widen")),
               ("copies/index", ("copy", "index", "Fill", "cat")),
               ("other", ("",))]
 
@@ -58,7 +64,7 @@ def print_categories(kernels: dict, steps: int, what: str, top=8):
     totals = {name: [0.0, 0] for name, _ in CATEGORIES}
     rows = {name: [] for name, _ in CATEGORIES}
     for key, (dev, n) in kernels.items():
-        name = next(c for c, frags in CATEGORIES if any(f in key for f in frags))
+        name = category(key)
         totals[name][0] += dev
         totals[name][1] += n
         rows[name].append((dev, n, key))
@@ -75,14 +81,15 @@ def idle_gaps(prof, launches_per_step: float, steps: int, top=12):
     """Device idle time per decode step over the profile's last ``steps`` steps: the span of their
     kernels minus the union of the kernels' intervals, by gap size, and the kernel pairs with the
     most idle time between them (a host that falls behind shows as large gaps before a step's first
-    kernel; launch latency inside a graph as many ~1 us gaps)."""
+    kernel; launch latency inside a graph as many ~1 us gaps). Returns the last step's kernels
+    (layer_timeline.Kernel, in launch order)."""
     from torch.autograd import DeviceType
 
     ks = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
                 key=lambda e: e.time_range.start)
     ks = ks[-int(launches_per_step * steps):]
     if len(ks) < 2:
-        return
+        return []
     span = ks[-1].time_range.end - ks[0].time_range.start
     buckets = {"<1us": 0.0, "1-3us": 0.0, "3-10us": 0.0, ">10us": 0.0}
     pairs, end = {}, ks[0].time_range.end
@@ -109,6 +116,29 @@ def idle_gaps(prof, launches_per_step: float, steps: int, top=12):
     for k in last:
         print(f"  {k.time_range.start - end:6.1f} {k.time_range.end - k.time_range.start:7.1f}  {k.name[:100]}")
         end = max(end, k.time_range.end)
+    return [Kernel(k.name, k.time_range.start, k.time_range.end) for k in last]
+
+
+def category(name: str) -> str:
+    return next(c for c, frags in CATEGORIES if any(f in name for f in frags))
+
+
+def print_layers(kernels: list, model, batch: int, context: int, device: str = "cuda") -> None:
+    """The last step's kernels by decoder layer (benchmarks/layer_timeline.py), with each layer's bytes
+    (its weights and the KV it reads at ``context`` tokens) against the measured copy bandwidth."""
+    try:
+        prologue, layers, head = split_layers(kernels, lambda n: category(n) == "attention",
+                                              lambda n: category(n) == "gemm")
+    except ValueError as e:
+        print(f"per-layer timeline: {e}")
+        return
+    weights = weight_bytes_per_layer(model, batch)
+    kv = kv_bytes_per_layer(model, batch, context)
+    nbytes = {i: weights.get(i, 0) + kv[i] for i in range(len(kv))} if len(layers) == len(kv) else None
+    if nbytes is None:
+        print(f"per-layer timeline: {len(layers)} layers found, the model has {len(kv)}: bytes left out")
+    for line in report(layer_stats(layers, head, nbytes), prologue, head, copy_bandwidth(device)):
+        print(line)
 
 
 def main(argv=None):
@@ -171,7 +201,8 @@ def main(argv=None):
     steps = max(args.new - 1, 1)
     per_step = subtract(device_kernels(avgs), device_kernels(prefill.key_averages()))
     print_categories(per_step, steps, "decode step", top=args.per_category)
-    idle_gaps(prof, sum(n for _, n in per_step.values()) / steps, steps // 2)
+    last = idle_gaps(prof, sum(n for _, n in per_step.values()) / steps, steps // 2)
+    print_layers(last, model, args.batch, args.prompt + args.new - 1)
     print("small host-launched ops by input shape (calls, device us in all): which tensors the copies move")
     for e in prof.key_averages(group_by_input_shape=True):
         dev = getattr(e, "device_time_total", 0)

@@ -253,6 +253,11 @@ def profile_section():
                 else "device time per decode step by kernel category")
         out += [f"`benchmarks/results/{name}`: {kind} ({what}). Its first lines:", "", "```"]
         out += lines[:9]
+        # profile_decode's per-layer table (benchmarks/layer_timeline.py), where the file has one.
+        start = next((i for i, line in enumerate(lines) if line.startswith("per-layer timeline")), None)
+        if start is not None:
+            end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith("  ")), len(lines))
+            out += ["", *lines[start:end]]
         out += ["```", ""]
     return out
 

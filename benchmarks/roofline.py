@@ -1,6 +1,7 @@
 """Bytes a decode step must move (weights + KV) and the device's measured copy bandwidth."""
 from __future__ import annotations
 
+import re
 import time
 
 import torch
@@ -26,8 +27,28 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30, iters: int = 10) -> float
 def weight_bytes_per_step(model, batch: int) -> int:
     """Parameter bytes one decode step reads: embedding rows are gathered (the tied lm_head reads the
     whole table once), and an MoE layer reads only the experts its tokens picked (expected count)."""
+    return sum(n for _, n in _weight_reads(model, batch))
+
+
+def weight_bytes_per_layer(model, batch: int) -> dict[int, int]:
+    """weight_bytes_per_step's bytes of each decoder layer (``...layers.<i>.`` in the name), by layer index."""
+    out: dict[int, int] = {}
+    for name, nbytes in _weight_reads(model, batch):
+        i = layer_index(name)
+        if i is not None:
+            out[i] = out.get(i, 0) + nbytes
+    return out
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a parameter belongs to (``model.language_model.layers.3.mlp...`` -> 3), or None."""
+    m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def _weight_reads(model, batch: int):
+    """(name, bytes one decode step reads of it) for every parameter and fp8 weight buffer."""
     cfg = model.config.get_text_config()
-    total = 0
     # quantization="fp8": the projections and experts are e4m3 buffers (and fp32 scales) of
     # Fp8Linear / Fp8Experts modules.
     fp8 = [(n, b) for n, b in model.named_buffers() if _is_fp8_module(model, n)]
@@ -42,8 +63,7 @@ def weight_bytes_per_step(model, batch: int) -> int:
         elif name.removesuffix("_scale").endswith(("experts.gate_up_proj", "experts.down_proj")):
             e, k = cfg.num_experts, cfg.top_k_experts
             nbytes = int(nbytes * (1 - (1 - k / e) ** batch))
-        total += nbytes
-    return total
+        yield name, nbytes
 
 
 def _is_fp8_module(model, buffer_name: str) -> bool:
@@ -55,12 +75,16 @@ def _is_fp8_module(model, buffer_name: str) -> bool:
 def kv_bytes_per_step(model, batch: int, context: int, kv_elem: int | None = None) -> int:
     """K and V bytes the attention of one decode step reads (sliding layers see at most the window);
     ``kv_elem``: bytes per KV element (1 for an fp8 pool), else the model dtype's."""
+    return sum(kv_bytes_per_layer(model, batch, context, kv_elem))
+
+
+def kv_bytes_per_layer(model, batch: int, context: int, kv_elem: int | None = None) -> list[int]:
+    """kv_bytes_per_step's bytes of each layer (KV-shared layers read their producer's KV again)."""
     cfg = model.config.get_text_config()
     elem = kv_elem or next(model.parameters()).element_size()
-    total = 0
+    out = []
     for i, kind in enumerate(cfg.layer_types):
         lc = cfg.per_layer_config[i]
         seen = min(context, cfg.sliding_window) if kind == "sliding_attention" else context
-        reads = 2 * batch * lc.num_key_value_heads * lc.head_dim * seen * elem
-        total += reads  # KV-shared layers read their producer's KV again
-    return total
+        out.append(2 * batch * lc.num_key_value_heads * lc.head_dim * seen * elem)
+    return out
