@@ -16,6 +16,12 @@ Without a GPU, ``--stand-ins`` runs the same paged path on the CPU with CUDA gra
 stood in (the tests' stand-ins) and every captured graph's replay a no-op: the host's work per step
 of the CUDA path, at any depth, in fp32 (``--preset tiny --layers 42``: the e4b's depth).
 
+How many torch calls HF generate's loop and gemma4opt's step make per decode step outside the
+captured graph (on a GPU each launches a kernel or more; ``--ops``): the aten operators torch.profiler
+sees, and the named torch calls by the transformers or gemma4opt line that makes them, the same generate
+of ``--new`` tokens minus one of 2 tokens, per decode step (bench_generate's min_new_tokens off, on with
+``--min-new-tokens``).
+
 Where the host's time goes: sample the run with py-spy (a sampling profiler: it reads the stacks
 from outside, Dynamo or not), then summarize its stacks of the timed generate calls:
 
@@ -25,6 +31,7 @@ from outside, Dynamo or not), then summarize its stacks of the timed generate ca
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import json
@@ -44,6 +51,51 @@ from gemma4opt.presets import ALL_PRESETS, build_model  # noqa: E402
 def ms_per_step(model, ids, new, device, repeats=3) -> float:
     """bench_generate's measure (best of ``repeats`` after a warm-up): ms per decode step."""
     return measure(model, ids, new, device, repeats)[1]
+
+
+def ops_per_step(model, ids, new: int, min_new: bool = False) -> tuple[collections.Counter, collections.Counter]:
+    """(top-level aten operators, named torch calls by (call, file:line) in transformers or gemma4opt
+    code) per decode step: a generate of ``new`` tokens minus one of 2 (module doc). Operators Python
+    reaches through its number slots (``a * b``) are among the first, not the second."""
+    def gen(n):
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                  min_new_tokens=n if min_new else None, do_sample=False)
+
+    def aten(n):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            gen(n)
+        return collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::")
+                                   and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+
+    def calls(n):
+        got = collections.Counter()
+
+        def hook(frame, event, fn):
+            if event != "c_call":
+                return
+            owner = getattr(fn, "__self__", None)
+            if not ("torch" in (getattr(fn, "__module__", None) or "") or isinstance(owner, torch.Tensor)
+                    or type(owner).__module__.startswith("torch")):
+                return
+            where = frame.f_code.co_filename.replace(os.sep, "/")
+            for root in ("transformers/", "gemma4opt/"):
+                if root in where:
+                    where = root + where.rsplit(root, 1)[1]
+                    got[(getattr(fn, "__qualname__", str(fn)), f"{where}:{frame.f_lineno}")] += 1
+                    return
+
+        sys.setprofile(hook)
+        try:
+            gen(n)
+        finally:
+            sys.setprofile(None)
+        return got
+
+    gen(new)
+    steps = new - 2
+    per = [collections.Counter({k: v / steps for k, v in (f(new) - f(2)).items()}) for f in (aten, calls)]
+    return per[0], per[1]
 
 
 def summarize_stacks(path: str, top: int = 40, within: str = "ms_per_step (") -> list[tuple[str, float, float]]:
@@ -143,6 +195,9 @@ def main(argv=None):
                     help="every decode step enters Dynamo (direct_decode=False): what skipping its entry saves")
     ap.add_argument("--stand-ins", action="store_true",
                     help="on a CPU: the paged CUDA path with graphs and FlashInfer stood in, replays no-ops (module doc)")
+    ap.add_argument("--ops", action="store_true",
+                    help="torch calls per decode step outside the captured graph, by where they are made (module doc)")
+    ap.add_argument("--min-new-tokens", action="store_true", help="with --ops: generate with min_new_tokens")
     ap.add_argument("--json", default=None, help="append one result row to this JSON-lines file")
     ap.add_argument("--stacks", default=None, help="only summarize this py-spy raw profile of a run of this script")
     ap.add_argument("--top", type=int, default=40)
@@ -160,6 +215,21 @@ def main(argv=None):
     _gen(model, ids, args.new)
     _sync(device)
     print(f"warm-up {time.perf_counter() - t:.1f} s", flush=True)
+    if args.ops:
+        ops, calls = ops_per_step(model, ids, args.new, args.min_new_tokens)
+        print(f"{args.preset} x {args.layers} layers, batch {args.batch}"
+              f"{', min_new_tokens' if args.min_new_tokens else ''}: {sum(ops.values()):.1f} aten operators per decode "
+              f"step outside the captured graph (torch {torch.__version__})")
+        for name, n in ops.most_common():
+            print(f"  {n:5.2f}  {name}")
+        by = collections.Counter()
+        for (_, where), n in calls.items():
+            by[where.split("/")[0]] += n
+        print("named torch calls per decode step by where they are made: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in by.most_common()))
+        for (name, where), n in sorted(calls.items(), key=lambda kv: kv[0][1]):
+            print(f"  {n:5.2f}  {name:40s} {where}")
+        return
     with replays_skipped(args.skip_replay):
         host_ms = ms_per_step(model, ids, args.new, device)
     what = ("graphs not replayed: the host's work alone" if args.skip_replay

@@ -74,3 +74,20 @@ def test_stand_ins_time_the_paged_cuda_path_on_a_cpu_with_and_without_direct_ste
         st = model._gemma4opt
         assert st.graph_captures == 1 and st.graphed_calls > 0
         assert (st.direct.steps > 0) == direct
+
+
+def test_ops_per_step_counts_the_loops_torch_calls_by_where_they_are_made(monkeypatch):
+    """HF's greedy step (argmax, the token appended, the EOS check) and gemma4opt's (the step's inputs
+    copied into the captured graph's) each once per decode step; min_new_tokens adds HF's processors."""
+    import types
+
+    args = types.SimpleNamespace(quantization=None, quantize_lm_head=False, no_direct=False, batch=1, prompt=8, new=8)
+    model = profile_host.build_with_stand_ins("tiny", 2, args, monkeypatch)
+    ids = profile_host.torch.randint(3, 100, (1, 8))
+    ops, calls = profile_host.ops_per_step(model, ids, 8)
+    assert ops["aten::argmax"] == 1 and ops["aten::cat"] >= 1
+    where = {name: w for (name, w), n in calls.items() if n >= 1}
+    assert where["_VariableFunctionsClass.argmax"].startswith("transformers/generation/")
+    assert where["Tensor.copy_"].startswith("gemma4opt/runtime/decode_graphs.py")
+    more, _ = profile_host.ops_per_step(model, ids, 8, min_new=True)
+    assert sum(more.values()) > sum(ops.values())
