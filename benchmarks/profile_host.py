@@ -225,7 +225,8 @@ def main(argv=None):
         by = collections.Counter()
         for (_, where), n in calls.items():
             by[where.split("/")[0]] += n
-        print("named torch calls per decode step by where they are made: "
+        print("named torch calls per decode step (kernel launches and host-side calls such as data_ptr) by where "
+              "they are made: "
               + ", ".join(f"{k} {v:.1f}" for k, v in by.most_common()))
         for (name, where), n in sorted(calls.items(), key=lambda kv: kv[0][1]):
             print(f"  {n:5.2f}  {name:40s} {where}")
