@@ -12,7 +12,10 @@ profile_decode.py prints this for the last decode step it profiled. Where the la
 
 A layer's time runs from its first kernel's start to the next layer's first kernel's start, so the
 prologue, the layers and the head add up to the step; idle is that time less the union of its
-kernels' intervals. With a layer's bytes (its weights and the KV its attention reads,
+kernels' intervals. A kernel's own time is what it adds after the kernels before it ended: with
+programmatic dependent launch a kernel starts while the one before it runs and waits, so its start
+to end overstates it; without, the two are equal. Own times and idle gaps add up to the layer's time
+(where no kernel of the next layer overlaps it). With a layer's bytes (its weights and the KV its attention reads,
 benchmarks/roofline.py) its share of the copy bandwidth follows. Layers with the same kernels in the
 same order (a layer kind: sliding or full, owning KV or sharing it, dense or MoE) are summarized
 together, medians over their layers, with each kernel's median time and the idle time before it.
@@ -82,6 +85,7 @@ class LayerStats(NamedTuple):
     time: float             # us, to the next layer's first kernel (the head's, for the last)
     idle: float
     durations: tuple[float, ...]
+    own: tuple[float, ...]      # each kernel's time after the latest end before it (module doc)
     gaps: tuple[float, ...]     # idle before each kernel, from the latest end before it
     nbytes: int | None
 
@@ -91,12 +95,13 @@ def layer_stats(layers: list[list[Kernel]], head: list[Kernel], nbytes: dict[int
     for i, ks in enumerate(layers):
         nxt = layers[i + 1][0].start if i + 1 < len(layers) else (head[0].start if head else max(k.end for k in ks))
         time = nxt - ks[0].start
-        gaps, end = [], ks[0].start
+        gaps, own, end = [], [], ks[0].start
         for k in ks:
             gaps.append(max(k.start - end, 0.0))
+            own.append(max(k.end - max(k.start, end), 0.0))
             end = max(end, k.end)
         out.append(LayerStats(i, ks[0].start, tuple(k.name for k in ks), time, time - _busy(ks), tuple(k.end - k.start for k in ks),
-                              tuple(gaps), None if nbytes is None else nbytes.get(i)))
+                              tuple(own), tuple(gaps), None if nbytes is None else nbytes.get(i)))
     return out
 
 
@@ -137,10 +142,9 @@ def report(stats: list[LayerStats], prologue: list[Kernel], head: list[Kernel], 
                      f"{len(group[0].names):8d}  {t:10.1f}  {idle:7.1f}  "
                      + (f"{mb:10.2f}" if mb is not None else f"{'-':>10}") + f"  {bw:>12}")
     for n, group in enumerate(order):
-        lines.append(f"  kind {chr(65 + n) if n < 26 else n} ({len(group)} layers), its kernels in order: "
-                     "median us, median idle us before it")
+        lines.append(f"  kind {chr(65 + n) if n < 26 else n} ({len(group)} layers), its kernels in order, medians: "
+                     "us from start to end, us after the kernels before it ended, idle us before it")
         for j, name in enumerate(group[0].names):
-            d = statistics.median(s.durations[j] for s in group)
-            g = statistics.median(s.gaps[j] for s in group)
-            lines.append(f"    {d:7.1f} {g:6.1f}  {name[:name_width]}")
+            d, o, g = (statistics.median(getattr(s, f)[j] for s in group) for f in ("durations", "own", "gaps"))
+            lines.append(f"    {d:7.1f} {o:7.1f} {g:6.1f}  {name[:name_width]}")
     return lines

@@ -70,6 +70,8 @@ def test_times_idle_and_bytes_per_layer():
     s0, s1 = lt.layer_stats(layers, head, {0: 60_000_000, 1: 21_000_000})
     assert s0.time == 30 and s0.idle == 30 - (10 + 8)       # to layer 1's start; the union of the overlap
     assert s0.gaps == (0.0, 4.0, 0.0) and s0.durations == (10, 6, 4)
+    assert s0.own == (10, 6, 2)         # the merge adds 2 us after the split kernel's end
+    assert sum(s0.own) + sum(s0.gaps) == s0.time - 8       # the 8 us before layer 1 are idle after the layer
     assert s1.time == 30 and s1.idle == 30 - 21             # to the head's first kernel
     lines = lt.report([s0, s1], prologue, head, copy_bw=4e12)
     kinds = [line.split() for line in lines[2:4]]
