@@ -163,7 +163,7 @@
 #              with its timed GEMM picks against every decode GEMM on Triton (200 s).
 #   layer-table  profile_decode.py's per-layer table (benchmarks/layer_timeline.py) of one decode step at batch 1,
 #              PDL on so that each layer's time is its real one: launches, idle time and bytes against the copy
-#              bandwidth per layer kind; the e4b, e2b and 26b-a4b in bf16 (170 / 130 / 170 s).
+#              bandwidth per layer kind; the e4b, e2b and 26b-a4b in bf16 (170 / 130 / 200 s).
 #   step-share  generate's ms per step beside the decode step's device time alone (its CUDA graph replayed back to
 #              back) and its launch's host time, 5 repeats each with every repeat's figure and the garbage collector's
 #              time inside them: the e4b at batch 1 with fp8 weights + lm_head and in bf16 (330 s), the 26b-a4b at
@@ -469,9 +469,9 @@ for s in $(for a in "$@"; do parts "$a"; done); do
       stage bf16-picks-31b 180 $GEN 31b --layers 12 --batch 1 --systems gemma4opt gemma4opt-triton-gemms \
             --json "$OUT/generate.jsonl" ;;
     layer-table)
-      for p in e4b e2b 26b-a4b; do
-        stage layer-table-$p 170 python3 benchmarks/profile_decode.py --preset $p --new 16 --attention paged \
-              --per-category 12
+      for p in e4b:170 e2b:130 26b-a4b:200; do
+        stage layer-table-${p%:*} ${p#*:} python3 benchmarks/profile_decode.py --preset ${p%:*} --new 16 \
+              --attention paged --per-category 12
       done ;;
     fp8-quality-paired)
       # FP8 quality at depth on the GPU (gemma4opt's fp8 kernels, not the CPU references): the e4b and 26b-a4b at
