@@ -257,3 +257,64 @@ def test_direct_steps_on_flashinfers_planned_decode(monkeypatch, kernel):
     for ids, want in cases * 2:
         assert torch.equal(_gen(model, ids, new=14, min_new_tokens=14, attention_mask=torch.ones_like(ids)), want)
     assert d.steps > 0 and not d.not_learned, d.describe()
+
+
+class _Collect:
+    """A streamer (HF's BaseStreamer interface): every put and the end, in order."""
+
+    def __init__(self):
+        self.got = []
+
+    def put(self, value):
+        self.got.append(value.clone())
+
+    def end(self):
+        self.got.append(None)
+
+
+class _Ban(LogitsProcessor):
+    def __call__(self, ids, scores):
+        return scores.index_fill(1, torch.tensor([5]), float("-inf"))
+
+
+_FEATURES = {
+    # A streamer: HF's per-step stop check (no deferral), every token put as it comes.
+    "streamer": dict(streamer=_Collect),
+    # Classifier-free guidance: a logits processor that calls the model itself, on a cache of its own,
+    # between two graphed steps of the generate that holds the paged cache.
+    "guidance": dict(guidance_scale=1.5),
+    "processors": dict(logits_processor=LogitsProcessorList([_Ban()]), repetition_penalty=1.3,
+                       no_repeat_ngram_size=2, sequence_bias={(7,): 5.0}, bad_words_ids=[[3], [4, 6]]),
+    "sampling": dict(do_sample=True, top_k=20, top_p=0.9, temperature=0.7, min_p=0.05),
+}
+
+
+@pytest.mark.parametrize("feature", list(_FEATURES))
+def test_generate_features_around_the_graphed_steps_give_eagers_tokens(monkeypatch, feature):
+    """HF's work between decode steps (streamer, processors, sampling, a processor that runs the model)
+    around graphed and direct steps: the same tokens (and streamed tokens) as HF eager's."""
+    model = tiny("tiny")
+    ids = prompt(3, WINDOW + 1, seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    ids[1, :2] = 0
+
+    def run(m):
+        kw = dict(_FEATURES[feature])
+        if "streamer" in kw:
+            kw["streamer"] = kw["streamer"]()
+        torch.manual_seed(0)
+        with torch.no_grad():
+            out = m.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=8, **kw)
+        return out, kw.get("streamer")
+
+    want, streamed = run(model)
+    _optimize_with_stand_ins(monkeypatch, model)
+    d = _direct(model)
+    for _ in range(2):              # the second call replays captured graphs only
+        got, streamed_too = run(model)
+        assert torch.equal(got, want)
+        if streamed is not None:
+            assert len(streamed.got) == len(streamed_too.got)
+            assert all(a is b is None or torch.equal(a, b) for a, b in zip(streamed.got, streamed_too.got))
+    assert model._gemma4opt.graphed_calls > 0 and d.steps > 0, d.describe()
