@@ -148,3 +148,80 @@ def report(stats: list[LayerStats], prologue: list[Kernel], head: list[Kernel], 
             d, o, g = (statistics.median(getattr(s, f)[j] for s in group) for f in ("durations", "own", "gaps"))
             lines.append(f"    {d:7.1f} {o:7.1f} {g:6.1f}  {name[:name_width]}")
     return lines
+
+
+def read_listing(path: str) -> list[Kernel]:
+    """The last decode step's kernels from a profile_decode.py output (its "the last decode step in
+    order" listing: idle us before each kernel, its us, its name). The listing gives no start of a
+    kernel that overlaps the one before it (programmatic dependent launch on): such a kernel is
+    taken to start where the one before ended, so its own time, not its start to end, is exact."""
+    with open(path) as f:
+        lines = f.read().splitlines()
+    head = next((i for i, line in enumerate(lines) if line.startswith("the last decode step in order")), None)
+    if head is None:
+        raise ValueError(f"{path} has no listing of the last decode step's kernels")
+    out, end = [], 0.0
+    for line in lines[head + 1:]:
+        parts = line.split(None, 2)
+        try:
+            gap, dur = float(parts[0]), float(parts[1])
+        except (ValueError, IndexError):
+            break
+        start = end + gap
+        out.append(Kernel(parts[2] if len(parts) > 2 else "", start, start + dur))
+        end = start + dur
+    return out
+
+
+def model_bytes(preset: str, layers: int | None, batch: int, context: int) -> dict[int, int]:
+    """Each layer's weight + KV bytes for a preset in bf16, from its config alone (a model on the meta device)."""
+    import torch
+    from transformers import Gemma4ForCausalLM
+
+    from gemma4opt.presets import preset_config
+    from roofline import kv_bytes_per_layer, weight_bytes_per_layer
+
+    config = preset_config(preset, layers)
+    config._attn_implementation = "sdpa"
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = Gemma4ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(prev)
+    weights = weight_bytes_per_layer(model, batch)
+    return {i: weights.get(i, 0) + kv for i, kv in enumerate(kv_bytes_per_layer(model, batch, context))}
+
+
+def main(argv=None):
+    """Re-read a recorded profile_decode.py output's listing into the per-layer table (bf16 bytes)."""
+    import argparse
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from profile_decode import category
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("profile", help="a profile_decode.py output with its last decode step's listing")
+    ap.add_argument("--preset", default=None, help="the profiled preset: each layer's bytes (bf16 weights only)")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=143, help="tokens the last step's attention reads")
+    ap.add_argument("--copy-bw", type=float, default=None, help="the device's copy bandwidth, TB/s")
+    args = ap.parse_args(argv)
+    kernels = read_listing(args.profile)
+    prologue, layers, head = split_layers(kernels, lambda n: category(n) == "attention",
+                                          lambda n: category(n) == "gemm")
+    nbytes = model_bytes(args.preset, args.layers, args.batch, args.context) if args.preset else None
+    if nbytes is not None and len(nbytes) != len(layers):
+        print(f"{len(layers)} layers found, the preset has {len(nbytes)}: bytes left out")
+        nbytes = None
+    bw = args.copy_bw * 1e12 if args.copy_bw else None
+    for line in report(layer_stats(layers, head, nbytes), prologue, head, bw):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -249,6 +249,10 @@ def profile_section():
         what = lines.pop(0)[2:] if lines and lines[0].startswith("# ") else (
             "`python3 benchmarks/profile_decode.py --preset 31b --layers 12 --batch 32 --new 32`, HF static cache mode")
         name = os.path.basename(path)
+        if name.startswith("profile_layer_tables"):     # layer_timeline.py's tables of recorded profiles: all of it
+            out += [f"`benchmarks/results/{name}`: each decode layer's launches, time, idle time and bytes ({what}).",
+                    "", "```", *lines, "```", ""]
+            continue
         kind = ("the host's time per decode step" if name.startswith("profile_host")
                 else "device time per decode step by kernel category")
         out += [f"`benchmarks/results/{name}`: {kind} ({what}). Its first lines:", "", "```"]

@@ -137,3 +137,21 @@ def test_profile_decode_prints_the_table_with_each_layers_bytes(capsys):
     profile_decode.print_layers(timeline(LAYER + HEAD), model, 1, 20, device="cpu")
     out = capsys.readouterr().out
     assert f"1 layers found, the model has {n}: bytes left out" in out and out.splitlines()[3].split()[-1] == "-"
+
+
+def test_a_recorded_listing_is_read_back_into_the_table(tmp_path, capsys):
+    """profile_decode's listing (idle before, us, name) re-read: same kernels and times; with a
+    preset, each layer's bytes from its config alone (a meta-device model)."""
+    ks = timeline(PROLOGUE + LAYER * 2 + HEAD, dur=2.0, gap=0.5)
+    listing = ["warm-up (compile) 1.0 s", "the last decode step in order (9 kernels): gap before (us), duration (us), kernel",
+               *[f"  {0.0 if i == 0 else 0.5:6.1f} {k.end - k.start:7.1f}  {k.name}" for i, k in enumerate(ks)],
+               "device timeline over the last 7 decode steps: ..."]
+    path = tmp_path / "profile.txt"
+    path.write_text("\n".join(listing) + "\n")
+    assert lt.read_listing(str(path)) == ks
+    lt.main([str(path), "--preset", "tiny", "--layers", "2", "--context", "20", "--copy-bw", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("per-layer timeline of the last decode step: 2 layers") and lines[2].split()[-1] != "-"
+    (tmp_path / "bare.txt").write_text("warm-up (compile) 1.0 s\n")
+    with pytest.raises(ValueError, match="no listing"):
+        lt.read_listing(str(tmp_path / "bare.txt"))
