@@ -90,7 +90,8 @@ class LayerStats(NamedTuple):
     nbytes: int | None
 
 
-def layer_stats(layers: list[list[Kernel]], head: list[Kernel], nbytes: dict[int, int] | None = None) -> list[LayerStats]:
+def layer_stats(layers: list[list[Kernel]], head: list[Kernel],
+                nbytes: dict[int, int] | None = None) -> list[LayerStats]:
     out = []
     for i, ks in enumerate(layers):
         nxt = layers[i + 1][0].start if i + 1 < len(layers) else (head[0].start if head else max(k.end for k in ks))
@@ -100,7 +101,8 @@ def layer_stats(layers: list[list[Kernel]], head: list[Kernel], nbytes: dict[int
             gaps.append(max(k.start - end, 0.0))
             own.append(max(k.end - max(k.start, end), 0.0))
             end = max(end, k.end)
-        out.append(LayerStats(i, ks[0].start, tuple(k.name for k in ks), time, time - _busy(ks), tuple(k.end - k.start for k in ks),
+        out.append(LayerStats(i, ks[0].start, tuple(k.name for k in ks), time, time - _busy(ks),
+                              tuple(k.end - k.start for k in ks),
                               tuple(own), tuple(gaps), None if nbytes is None else nbytes.get(i)))
     return out
 

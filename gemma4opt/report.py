@@ -101,8 +101,7 @@ class Report:
             w = max(len(r.pattern) for r in self.rows)
             lines.append(f"  {'pattern':<{w}}  {'matched':>9}  {'expected':>8}  status")
             for r in self.rows:
-                got = "-" if not r.matched_per_graph else (
-                    str(r.matched) if r.matched is not None else "/".join(map(str, r.matched_per_graph)))
+                got = _per_graph(r.matched_per_graph, "-")
                 status = "ok" if r.complete else ("not run yet" if not r.matched_per_graph else "INCOMPLETE")
                 lines.append(f"  {r.pattern:<{w}}  {got:>9}  {_per_graph(r.expected_per_graph(), r.expected):>8}  "
                              f"{status}")
@@ -114,7 +113,7 @@ class Report:
         return "\n".join(lines)
 
 
-def _per_graph(counts: list[int], default: int) -> str:
+def _per_graph(counts: list[int], default: int | str) -> str:
     """One count where every captured graph agrees, else each graph's, in graph order (as "matched")."""
     if not counts:
         return str(default)

@@ -187,7 +187,8 @@ def _fp8_block_linear_kernel(X, W, WS, Y, P, IDX, M, N, K, sxm, swn, swsn, sym, 
 # and 8 warps a program, K in 4-16 splits (each program's K loop runs its groups one after another,
 # quantizing x's, so a long loop is slow: 1-4 splits were 2-4x slower at the MLP's down projection).
 # The 256-row tiles (8-16 warps) were the H200 sweep's fastest at 8 rows at 5 of the e4b's 6 GEMMs
-# (the best 128-row tile 1.02-1.08x their time, at gate_up 1.18x or more; not yet timed end to end). The 64-row tiles stay for the MoE pairs (unsplit) and narrow N.
+# (the best 128-row tile 1.02-1.08x their time, at gate_up 1.18x or more; not yet timed end to end).
+# The 64-row tiles stay for the MoE pairs (unsplit) and narrow N.
 # The prefill tiles are those that compile for sm_90 at 128 x 128 blocks without spilling registers
 # (the quantized x tile lives in them: 128 x 128 rows spill 44-1552 bytes).
 _DECODE = [(128, 8, 1, 3), (128, 8, 2, 3), (128, 8, 4, 3), (128, 8, 8, 3), (128, 8, 16, 3), (128, 8, 16, 4),
