@@ -164,6 +164,7 @@
 #   layer-table  profile_decode.py's per-layer table (benchmarks/layer_timeline.py) of one decode step at batch 1,
 #              PDL on so that each layer's time is its real one: launches, idle time and bytes against the copy
 #              bandwidth per layer kind; the e4b, e2b and 26b-a4b in bf16 (170 / 130 / 200 s).
+#   layer-table-small  the same for the e4b in bf16 and with fp8 weights + lm_head, and the e2b (170 / 170 / 130 s).
 #   step-share  generate's ms per step beside the decode step's device time alone (its CUDA graph replayed back to
 #              back) and its launch's host time, 5 repeats each with every repeat's figure and the garbage collector's
 #              time inside them: the e4b at batch 1 with fp8 weights + lm_head and in bf16 (330 s), the 26b-a4b at
@@ -473,6 +474,13 @@ for s in $(for a in "$@"; do parts "$a"; done); do
         stage layer-table-${p%:*} ${p#*:} python3 benchmarks/profile_decode.py --preset ${p%:*} --new 16 \
               --attention paged --per-category 12
       done ;;
+    layer-table-small)  # the e4b in bf16 and with fp8 weights + lm_head, then the e2b, in one call
+      stage layer-table-e4b 170 python3 benchmarks/profile_decode.py --preset e4b --new 16 --attention paged \
+            --per-category 12
+      stage layer-table-e4b-fp8 170 python3 benchmarks/profile_decode.py --preset e4b --new 16 --attention paged \
+            --per-category 12 --quantization fp8 --quantize-lm-head
+      stage layer-table-e2b 130 python3 benchmarks/profile_decode.py --preset e2b --new 16 --attention paged \
+            --per-category 12 ;;
     fp8-quality-paired)
       # FP8 quality at depth on the GPU (gemma4opt's fp8 kernels, not the CPU references): the e4b and 26b-a4b at
       # full depth, then the 31b x 12, 8 x 256 teacher-forced positions, each KL against the anchor's paired by
