@@ -226,6 +226,7 @@ PAGED_KERNELS="flashinfer_matches_reference or fast_replan"
 parts() {
   case $1 in
     early-kv) echo early-kv-tests early-kv-e4b early-kv-attention early-kv-mutant ;;
+    early-kv-quick) echo early-kv-kernel-tests early-kv-e4b early-kv-attention early-kv-mutant ;;
     rope) echo rope-tests rope-e4b ;;
     pending-quick) echo norm-linear-tests quick-e4b ;;
     pending-fp8) echo fp8-e4b-pipe ;;
@@ -474,6 +475,9 @@ for s in $(for a in "$@"; do parts "$a"; done); do
         stage layer-table-${p%:*} ${p#*:} python3 benchmarks/profile_decode.py --preset ${p%:*} --new 16 \
               --attention paged --per-category 12
       done ;;
+    layer-table-e4b)    # the e4b in bf16 alone
+      stage layer-table-e4b 170 python3 benchmarks/profile_decode.py --preset e4b --new 16 --attention paged \
+            --per-category 12 ;;
     layer-table-small)  # the e4b in bf16 and with fp8 weights + lm_head, then the e2b, in one call
       stage layer-table-e4b 170 python3 benchmarks/profile_decode.py --preset e4b --new 16 --attention paged \
             --per-category 12
@@ -536,6 +540,8 @@ for s in $(for a in "$@"; do parts "$a"; done); do
       stage early-tests 300 $PYTEST tests/gpu/test_gpu_decode_kernel.py tests/gpu/test_gpu_fp8_kv.py \
             tests/gpu/test_gpu_generate.py tests/kernels/test_pdl.py -k "decode_kernel or triton_decode_kernel_fp8 or \
             appended or direct or replaced_after or restrided or pdl" ;;
+    early-kv-kernel-tests)      # the decode kernel's own GPU tests alone (early-kv-quick: a short device budget)
+      stage early-kernel-tests 150 $PYTEST tests/gpu/test_gpu_decode_kernel.py ;;
     early-kv-e4b)
       stage early-e4b 260 $GEN e4b --batch 1 --systems eager gemma4opt gemma4opt-early-kv gemma4opt-fp8-head \
             gemma4opt-fp8-head-early-kv --json "$OUT/generate.jsonl" ;;
