@@ -78,9 +78,6 @@
 #              and without (limits 150 / 130 s). direct-e4b: the e4b at batch 1 beside eager and HF static + compile,
 #              bf16 and fp8 weights + lm_head, each with and without (560 s). direct-26b: the 26b-a4b at batch 1
 #              with fp8 weights + lm_head, with and without, beside eager (400 s). One call each.
-#   early-kv   the decode attention kernel reading its lengths, page table and first tile of past tokens before the
-#              PDL wait: its GPU tests with the direct-decode ones (300 s), the e4b at batch 1 early against late reads
-#              (260 s), the kernel alone (100 s), a mutant that reads this step's tokens early too (60 s). One call.
 #   rope       the rotary cos/sin in one launch (rope_cos_sin): its GPU tests (bits over every preset's context, a
 #              graph replay) with the paged generate ones (150 s), the e4b at batch 1 in bf16 and fp8 weights + lm_head
 #              with and without it, beside eager (330 s). One call.
@@ -92,10 +89,9 @@
 #              without norm_fp8_linear, beside eager (520 s).
 #   pending-26b  the MoE decode kernels' pipelined loops swept kernel by kernel (150 s), then the 26b-a4b at batch 1:
 #              the defaults, the MoE loops pipelined, the row sums' pipelined tiles offered, beside eager (400 s).
-#   pending-tests-a, pending-tests-b, pending-e4b  what the CPU-only sessions built, in three calls: early-kv's
-#              GPU tests and mutant (360 s), the decode attention kernel late against early (100 s); rope's GPU tests
+#   pending-tests-b, pending-e4b  what the CPU-only sessions built, in two calls: rope's GPU tests
 #              with the paged generate ones (150 s), norm_linear's (120 s), the GEMM tests with the one-row split-K
-#              tiles (120 s); the e4b at batch 1 with each of norm_linear, rope, the one-row split tiles and early-kv
+#              tiles (120 s); the e4b at batch 1 with each of norm_linear, rope and the one-row split tiles
 #              on and off, bf16 (norm_linear and rope also fp8 + lm_head), beside eager (560 s; rows measured before
 #              a time-out are kept).
 #   profile-e4b-fp8  kernel by kernel, PDL off: the e4b at batch 1 with fp8 weights and lm_head (200 s), then in bf16 (170 s).
@@ -225,13 +221,10 @@ PAGED_KERNELS="flashinfer_matches_reference or fast_replan"
 # Suites made of others' stages, expanded before the loop.
 parts() {
   case $1 in
-    early-kv) echo early-kv-tests early-kv-e4b early-kv-attention early-kv-mutant ;;
-    early-kv-quick) echo early-kv-kernel-tests early-kv-e4b early-kv-attention early-kv-mutant ;;
     rope) echo rope-tests rope-e4b ;;
     pending-quick) echo norm-linear-tests quick-e4b ;;
     pending-fp8) echo fp8-e4b-pipe ;;
     pending-26b) echo moe-pipe-sweep pipe-26b ;;
-    pending-tests-a) echo early-kv-tests early-kv-mutant early-kv-attention ;;
     pending-tests-b) echo rope-tests norm-linear-tests row-split-tests ;;
     e2b-and-31b-paged) echo refresh-e2b paged-31b ;;
     *) echo "$1" ;;
@@ -529,32 +522,6 @@ for s in $(for a in "$@"; do parts "$a"; done); do
       HOST="python3 benchmarks/profile_host.py --preset e4b --layers 42 --skip-replay"
       stage direct-host 150 $HOST --json "$OUT/host.jsonl"
       stage direct-host-off 130 $HOST --no-direct --json "$OUT/host.jsonl" ;;
-    # early-kv: the decode attention kernel reading its lengths, page table and first tile of past tokens before the PDL
-    # wait (off by default until this runs), in one call: its GPU tests (the tokens a graph replay appends read
-    # after the wait, bf16 and fp8 pools; real dims) with the direct-decode ones and a PDL chain (300 s); the e4b
-    # at batch 1, bf16 and fp8 weights + lm_head, late (the default) against early reads (-early-kv), beside
-    # eager (260 s); the kernel alone late against early,
-    # bf16 and fp8 pools, batch 1-32, context 160 and 4096 (100 s); the hazard test on a copy whose kernel reads
-    # this step's tokens early too, which should fail (60 s).
-    early-kv-tests)
-      stage early-tests 300 $PYTEST tests/gpu/test_gpu_decode_kernel.py tests/gpu/test_gpu_fp8_kv.py \
-            tests/gpu/test_gpu_generate.py tests/kernels/test_pdl.py -k "decode_kernel or triton_decode_kernel_fp8 or \
-            appended or direct or replaced_after or restrided or pdl" ;;
-    early-kv-kernel-tests)      # the decode kernel's own GPU tests alone (early-kv-quick: a short device budget)
-      stage early-kernel-tests 150 $PYTEST tests/gpu/test_gpu_decode_kernel.py ;;
-    early-kv-e4b)
-      stage early-e4b 260 $GEN e4b --batch 1 --systems eager gemma4opt gemma4opt-early-kv gemma4opt-fp8-head \
-            gemma4opt-fp8-head-early-kv --json "$OUT/generate.jsonl" ;;
-    early-kv-attention)
-      stage early-kv-attention 100 bash -c "python3 benchmarks/bench_attention.py --variants triton triton-early \
-            --batch 1 8 32 --context 160 4096 --json $OUT/attention.jsonl && python3 benchmarks/bench_attention.py \
-            --variants triton triton-early --kv-dtype fp8 --batch 1 8 32 --context 160 4096 --json $OUT/attention.jsonl" ;;
-    early-kv-mutant)
-      rm -rf /tmp/mutant && mkdir -p /tmp/mutant && cp -r gemma4opt tests patterns /tmp/mutant/ &&
-        ln -sfn ../patterns /tmp/mutant/gemma4opt/patterns &&
-        sed -i 's/fresh = kv_len - TOKENS/fresh = kv_len/' /tmp/mutant/gemma4opt/kernels/paged_decode.py &&
-        (cd /tmp/mutant && PYTHONPATH=/tmp/mutant:$PYTHONPATH stage early-kv-mutant 60 $PYTEST \
-              tests/gpu/test_gpu_decode_kernel.py -k appended) ;;
     # Every kernel test of the defaults not yet run on this GPU kind, 8 at a time (norm_linear, the one-row split
     # GEMM, rope_cos_sin's bits, the pipelined loops; 330 s), then the paged generate tests that compare tokens
     # with eager, rope_cos_sin in them (FlashInfer's JIT included: 260 s).
@@ -606,7 +573,7 @@ for s in $(for a in "$@"; do parts "$a"; done); do
     pending-e4b)
       stage pending-e4b 560 $GEN e4b --batch 1 --systems eager gemma4opt-no-norm-linear gemma4opt gemma4opt-no-rope \
             gemma4opt-no-row-split gemma4opt-fp8-head-no-norm-linear gemma4opt-fp8-head gemma4opt-norm-linear-forced \
-            gemma4opt-fp8-head-no-rope gemma4opt-early-kv --json "$OUT/generate.jsonl" ;;
+            gemma4opt-fp8-head-no-rope --json "$OUT/generate.jsonl" ;;
     rope-kernel-tests)
       stage rope-kernel-tests 90 $PYTEST tests/gpu/test_gpu_rope.py ;;
     quick-e4b)
@@ -711,6 +678,6 @@ for s in $(for a in "$@"; do parts "$a"; done); do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b, direct-decode, direct-e4b, direct-26b, early-kv)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b, direct-decode, direct-e4b, direct-26b, layer-table, layer-table-e4b, layer-table-small)" ;;
   esac
 done

@@ -46,7 +46,7 @@ def compile_split_kernel(head_dim: int, group: int, fp8: bool = True, config: di
            "O": "*bf16", "OP": "*fp32", "LSE": "*fp32", **{n: "i32" for n in _INT_ARGS}, "scale": "fp32"}
     const = dict(GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, PS=page_size,
                  BLOCK_N=cfg["block_n"], NSPLIT=2, TOKENS=1, COMPILED=True, IEEE=False, FP8=fp8,
-                 F16=bool(cfg.get("f16")) and fp8, V_WIDE=v_wide, EARLY=bool(cfg.get("early", False)), PDL=False)
+                 F16=bool(cfg.get("f16")) and fp8, V_WIDE=v_wide, PDL=False)
     sig.update({k: "constexpr" for k in const})
     names = list(pd._decode_split_kernel.arg_names)
     sig = {n: sig[n] for n in names}

@@ -40,14 +40,6 @@ MAX_SPLITS = 64
 # Triton's interpreter (CPU tests) cannot take loaded values as range() bounds and multiplies
 # bf16 tiles as raw integers: there the loop is a while loop and tiles are multiplied in fp32.
 # The compiled kernel keeps the for loop (Triton software-pipelines it, not a while loop).
-_EARLY = {"on": False}
-
-
-def set_early_reads(on: bool) -> None:
-    """Whether the split kernel reads its first tile's past tokens before the PDL wait (read at each
-    launch, captured with a graph). Off by default: not yet timed on a GPU (bench_generate's
-    -early-kv systems, gpu_session.sh's early-kv suite)."""
-    _EARLY["on"] = bool(on)
 
 
 @triton.jit
@@ -118,18 +110,14 @@ def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
                          BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, TOKENS: tl.constexpr, COMPILED: tl.constexpr,
                          IEEE: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr, V_WIDE: tl.constexpr,
-                         EARLY: tl.constexpr, PDL: tl.constexpr):
+                         PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
-    # EARLY (off by default until measured on the GPU: set_early_reads): before the PDL wait,
-    # while the kernel before this one still runs, read the lengths and page table (step inputs,
-    # copied in before the step's first kernel) and this split's first tile of K/V rows written by
-    # earlier steps; what this step wrote (its TOKENS new tokens per sequence: the previous kernel
-    # appends them) and q after it. A kernel past its wait has its predecessors complete (each
-    # waits before it lets its dependents in), so only the kernel right before can still write.
-    if not EARLY:
-        pdl_prologue(PDL)
+    # Everything, the lengths and page table included, is read after the PDL wait. Reading them and
+    # the first tile of past tokens before it (only this step's new tokens after) was measured slower
+    # on an H100: docs/architecture.md.
+    pdl_prologue(PDL)
     kv_len = tl.load(LENS + b)
     row_base = (b // TOKENS) * s_table      # TOKENS query rows (a sequence's new tokens) share a table row
     lo = 0
@@ -139,16 +127,6 @@ def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE,
     start = lo + sp * chunk
     end = tl.minimum(start + chunk, kv_len)
     d = tl.arange(0, D)
-    if EARLY:
-        t = start + tl.arange(0, BLOCK_N)
-        first = t < tl.minimum(start + BLOCK_N, end)    # the first tile's tokens
-        fresh = kv_len - TOKENS                         # tokens from here on were written this step
-        base = _kv_rows(TABLE, row_base, ring, t, first, kh, s_page, s_tok, s_head, PS)     # the table: a step input
-        k, v = _load_kv(KV, base, first & (t < fresh), s_kv, d)
-        pdl_prologue(PDL)
-        k_new, v_new = _load_kv(KV, base, first & (t >= fresh), s_kv, d)
-        k = tl.where((t >= fresh)[:, None], k_new, k)
-        v = tl.where((t >= fresh)[:, None], v_new, v)
     qk_scale = scale
     if FP8:         # k's scale multiplies every score: folded into the softmax scale
         qk_scale = scale * tl.load(KV_SCALE)
@@ -163,10 +141,6 @@ def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE,
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
     t0 = start
-    if EARLY:               # the first tile, loaded above (a split past the end has none)
-        if start < end:
-            m_i, l_i, acc = _attend(q, k, v, first, qk_scale, m_i, l_i, acc, COMPILED, IEEE, FP8, V_WIDE)
-        t0 = start + BLOCK_N
     if COMPILED:
         for t1 in range(t0, end, BLOCK_N):
             m_i, l_i, acc = _tile(q, KV, TABLE, row_base, ring, t1, end, kh, s_page, s_kv, s_tok, s_head, qk_scale,
@@ -287,7 +261,7 @@ def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, 
         lse.stride(0), lse.stride(1), window, scale,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, PS=ps, BLOCK_N=cfg["block_n"], NSPLIT=n,
         TOKENS=tokens, COMPILED=_COMPILED, IEEE=q.dtype == torch.float32, FP8=fp8, F16=f16,
-        V_WIDE=bool(cfg.get("v_wide", True)), EARLY=bool(cfg.get("early", _EARLY["on"])), num_warps=cfg["num_warps"],
+        V_WIDE=bool(cfg.get("v_wide", True)), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         **pdl_flags(out))

@@ -68,9 +68,10 @@ def test_decode_kernel_matches_reference_at_real_dims(head_dim, heads, kv_heads,
 @pytest.mark.parametrize("tokens", [1, 3])
 @pytest.mark.parametrize("window", [0, 64])
 def test_step_tokens_appended_by_the_previous_kernel_are_read_after_its_end(tokens, window, fp8):
-    # In a CUDA graph with programmatic dependent launch the decode kernel (its early reads on)
-    # starts while kv_append, the kernel before it, still runs, and reads past tokens then. Every replay appends new values
-    # at the same slots: a new token read too early would hold the previous replay's values.
+    # In a CUDA graph with programmatic dependent launch the decode kernel starts while kv_append, the kernel
+    # before it, still runs. Every replay appends new values at the same slots: a new token read before its
+    # wait would hold the previous replay's values. (On an H100 a kernel reading them before the wait
+    # still passed: the test shows the values right, not the ordering proved.)
     from gemma4opt.kernels import _util
     from gemma4opt.kernels.kv_append import kv_append_triton
 
@@ -93,8 +94,7 @@ def test_step_tokens_appended_by_the_previous_kernel_are_read_after_its_end(toke
 
     def step():
         kv_append_triton(kv, k_new, v_new, slots, index, scales)
-        return paged_decode_triton(q, kv, table, rows, window, 1.0, sms, tokens=tokens, kv_scale=scales,
-                                   config={"early": True})
+        return paged_decode_triton(q, kv, table, rows, window, 1.0, sms, tokens=tokens, kv_scale=scales)
 
     assert _util.pdl_flags(q).get("PDL"), "needs a GPU with programmatic dependent launch (sm_90+)"
     for t in (k_new, v_new, q):
@@ -108,6 +108,5 @@ def test_step_tokens_appended_by_the_previous_kernel_are_read_after_its_end(toke
         for t in (k_new, v_new, q):
             t.normal_()
         graph.replay()
-        want = paged_decode_triton(q, kv, table, rows, window, 1.0, sms, tokens=tokens, config={"early": False},
-                                   kv_scale=scales)
+        want = paged_decode_triton(q, kv, table, rows, window, 1.0, sms, tokens=tokens, kv_scale=scales)
         assert torch.equal(out, want)

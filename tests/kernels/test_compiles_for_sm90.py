@@ -30,9 +30,9 @@ def test_every_variant_compiles(rows):
     assert not failed, failed
 
 
-# Compiled, not held to no spills: the decode attention split kernel with an fp8 pool, capped at 128
-# registers, spills 208 bytes with its early reads (off by default; none without them); whether that
-# costs time is the GPU's to say (bench_attention.py).
+# Compiled, not held to no spills: the decode attention split kernel with an fp8 pool runs capped at 128
+# registers (launch_config), where a change to it may spill; whether that costs time is the GPU's to say
+# (bench_attention.py).
 COMPILE_ONLY = ("decode attention",)
 
 

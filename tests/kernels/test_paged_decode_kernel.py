@@ -183,31 +183,3 @@ def test_fp8_pool_needs_scales():
     with pytest.raises(ValueError, match="needs kv_scale"):
         paged_decode_triton(torch.zeros(1, 2, 16), torch.zeros(1, 2, 4, 1, 16).to(torch.float8_e4m3fn),
                             torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0, 1.0, 4)
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_first_tile_read_before_or_after_the_wait_same_bits(case):
-    # EARLY reads the first tile's past tokens before the PDL wait and this step's own after it
-    # (two masked loads); without it, one load. Same values either way, here with one new token.
-    lens, ps, H, kvh, D, window, splits, ring = case
-    g = torch.Generator().manual_seed(sum(lens) + 7)
-    kv, table, _ = _batch(lens, ps, kvh, D, torch.float32, window, g, ring)
-    q = torch.randn(len(lens), H, D, generator=g)
-    dev = [t.to(DEVICE) for t in (q, kv, table, torch.tensor(lens, dtype=torch.int32))]
-    early = paged_decode_triton(*dev, window=window, scale=0.6, num_sms=4, splits=splits, config={"early": True})
-    late = paged_decode_triton(*dev, window=window, scale=0.6, num_sms=4, splits=splits, config={"early": False})
-    assert torch.equal(early, late)
-
-
-@pytest.mark.parametrize("case", MULTI)
-def test_first_tile_early_with_several_new_tokens_same_bits(case):
-    # A step of T new tokens: every row reads the step's T tokens of its sequence after the wait.
-    lens, T, ps, H, kvh, D, window, splits = case
-    g = torch.Generator().manual_seed(sum(lens) + 11)
-    kv, table, _ = _batch(lens, ps, kvh, D, torch.float32, window and window + T - 1, g)
-    q = torch.randn(len(lens) * T, H, D, generator=g)
-    rows = torch.tensor([n - T + t + 1 for n in lens for t in range(T)], dtype=torch.int32)
-    dev = [t.to(DEVICE) for t in (q, kv, table, rows)]
-    got = {e: paged_decode_triton(*dev, window=window, scale=0.5, num_sms=4, splits=splits, tokens=T,
-                                  config={"early": e}) for e in (True, False)}
-    assert torch.equal(got[True], got[False])
