@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gemma4opt  # noqa: E402
 from gemma4opt.kernels import moe_experts  # noqa: E402
 from gemma4opt.kernels._util import PDL_DEFAULT, set_decode_row_warps, set_pdl  # noqa: E402
+from gemma4opt.kernels.paged_decode import set_merged_tail  # noqa: E402
 from gemma4opt.kernels.skinny_linear import use_tiles  # noqa: E402
 from gemma4opt.ops.state import MARGINS  # noqa: E402
 from gemma4opt.patterns import PATTERN_NAMES  # noqa: E402
@@ -201,6 +202,10 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      **{f"gemma4opt-rows{w}": dict(row_warps=w) for w in (2, 4, 8)},
                      **{f"gemma4opt-fp8-head-rows{w}": dict(quantization="fp8", quantize_lm_head=True, row_warps=w)
                         for w in (2, 4, 8)},
+                     # The decode attention's last split program merging the partials (one launch, not two).
+                     "gemma4opt-merged-attn": dict(merged_attn=True),
+                     "gemma4opt-fp8-head-merged-attn": dict(quantization="fp8", quantize_lm_head=True,
+                                                            merged_attn=True),
                      "gemma4opt-fp8-kv8-head": dict(quantization="fp8", kv_cache_dtype="fp8", quantize_lm_head=True),
                      "gemma4opt-paged-fp8": dict(attention="paged", quantization="fp8"),
                      "gemma4opt-paged-fp8-kv8": dict(attention="paged", quantization="fp8", kv_cache_dtype="fp8")}
@@ -246,6 +251,7 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         use_tiles(opts.pop("whole_k", True), opts.pop("narrow", True),      # read when a GEMM shape is first tuned
                   opts.pop("row_split", True), opts.pop("pipelined", False))
         set_decode_row_warps(opts.pop("row_warps", None))   # read at each launch, captured with the graphs
+        set_merged_tail(opts.pop("merged_attn", False))     # the same
         moe_pipe = opts.pop("moe_pipe", 0)                  # read at each launch, captured with the graphs
         for tiles in (moe_experts.TILES, moe_experts.TILES_FP8):
             tiles.update(gu_pipe=moe_pipe, dn_pipe=moe_pipe)
@@ -293,6 +299,7 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         gemma4opt.report(sys_model)
         set_pdl(PDL_DEFAULT)
         set_decode_row_warps(None)
+        set_merged_tail(False)
     if sys_model is not model or system == "static_compile":
         # Its copy of the weights, its KV pool or static cache and its CUDA graphs stay reachable
         # from Dynamo's caches until reset (at batch 128 x prompt 2048 the next system's prefill ran

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _INT_ARGS = ("sq_b", "sq_h", "s_page", "s_kv", "s_tok", "s_head", "s_table", "ring", "so_b", "so_h", "sp_b", "sp_h",
              "sp_s", "sl_b", "sl_h", "window")
 # Arguments Triton would find 16-divisible at run time (ring, window, s_table and sl_h need not be).
-_DIVISIBLE = ("Q", "KV", "KV_SCALE", "TABLE", "LENS", "O", "OP", "LSE", "sq_b", "sq_h", "s_page", "s_kv", "s_tok",
+_DIVISIBLE = ("Q", "KV", "KV_SCALE", "TABLE", "LENS", "O", "OP", "LSE", "CNT", "sq_b", "sq_h", "s_page", "s_kv", "s_tok",
               "s_head", "so_b", "so_h", "sp_b", "sp_h", "sp_s", "sl_b")
 
 
@@ -43,10 +43,12 @@ def compile_split_kernel(head_dim: int, group: int, fp8: bool = True, config: di
 
     cfg = {**pd.launch_config(head_dim, rows, fp8), **(config or {})}
     sig = {"Q": "*bf16", "KV": "*fp8e4nv" if fp8 else "*bf16", "KV_SCALE": "*fp32", "TABLE": "*i32", "LENS": "*i32",
-           "O": "*bf16", "OP": "*fp32", "LSE": "*fp32", **{n: "i32" for n in _INT_ARGS}, "scale": "fp32"}
+           "O": "*bf16", "OP": "*fp32", "LSE": "*fp32", "CNT": "*i32", **{n: "i32" for n in _INT_ARGS},
+           "scale": "fp32"}
     const = dict(GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, PS=page_size,
                  BLOCK_N=cfg["block_n"], NSPLIT=2, TOKENS=1, COMPILED=True, IEEE=False, FP8=fp8,
-                 F16=bool(cfg.get("f16")) and fp8, V_WIDE=v_wide, PDL=False)
+                 F16=bool(cfg.get("f16")) and fp8, V_WIDE=v_wide, MERGE=bool(cfg.get("merged", False)), S_PAD=2,
+                 BLOCK_D=min(head_dim, 64), PDL=False)
     sig.update({k: "constexpr" for k in const})
     names = list(pd._decode_split_kernel.arg_names)
     sig = {n: sig[n] for n in names}

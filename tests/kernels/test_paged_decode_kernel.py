@@ -183,3 +183,23 @@ def test_fp8_pool_needs_scales():
     with pytest.raises(ValueError, match="needs kv_scale"):
         paged_decode_triton(torch.zeros(1, 2, 16), torch.zeros(1, 2, 4, 1, 16).to(torch.float8_e4m3fn),
                             torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0, 1.0, 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES + [(lens, ps, H, kvh, D, w, s, None) for lens, _, ps, H, kvh, D, w, s in MULTI])
+def test_merged_tail_gives_the_merge_kernels_bits_and_leaves_its_counters_zero(dtype, case):
+    # The last split program of a (row, KV head) merges the partials with the merge kernel's code; run
+    # twice, so that a counter left non-zero by the first call would skip or misplace the second's merge.
+    from gemma4opt.kernels import paged_decode as pd
+
+    lens, ps, H, kvh, D, window, splits, ring = case
+    g = torch.Generator().manual_seed(sum(lens) + 5)
+    kv, table, _ = _batch(lens, ps, kvh, D, dtype, window, g, ring)
+    dev = [t.to(DEVICE) for t in (torch.randn(len(lens), H, D, generator=g).to(dtype), kv, table,
+                                  torch.tensor(lens, dtype=torch.int32))]
+    two = paged_decode_triton(*dev, window=window, scale=0.6, num_sms=4, splits=splits, config={"merged": False})
+    for _ in range(2):
+        one = paged_decode_triton(*dev, window=window, scale=0.6, num_sms=4, splits=splits, config={"merged": True})
+        assert torch.equal(one, two)
+    counts = pd._COUNTS.get(dev[0].device)
+    assert splits == 1 or (counts is not None and not counts.any())
