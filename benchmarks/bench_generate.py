@@ -187,6 +187,7 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      "gemma4opt-fp8-head-moe-pipe": dict(quantization="fp8", quantize_lm_head=True, moe_pipe=3),
                      # Every gemma4opt kernel launched plainly: programmatic dependent launch's share.
                      "gemma4opt-paged-nopdl": dict(attention="paged", pdl=False),
+                     "gemma4opt-fp8-head-nopdl": dict(quantization="fp8", quantize_lm_head=True, pdl=False),
                      # FP8 (e4m3) weights of the attention and dense-MLP projections; "-kv8": and the KV pool.
                      "gemma4opt-fp8": dict(quantization="fp8"),
                      # A FineGrainedFP8 checkpoint (--fp8-block; the lm_head kept in bf16) run by gemma4opt

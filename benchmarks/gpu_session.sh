@@ -80,6 +80,8 @@
 #              with fp8 weights + lm_head, with and without, beside eager (400 s). One call each.
 #   merged-attention  the decode attention's last split program merging the partials, where a second kernel does:
 #              its GPU tests (150 s), the kernel alone both ways (100 s), the e4b at batch 1 both ways (260 s). One call.
+#   fp8-probe  the e4b at batch 1, bf16 and fp8 weights + lm_head, PDL on and off (260 s), then the fp8 profile with
+#              PDL off (200 s): why its fp8 q/k/v GEMM ran 2x its o projection's time in the live profile. One call.
 #   rope       the rotary cos/sin in one launch (rope_cos_sin): its GPU tests (bits over every preset's context, a
 #              graph replay) with the paged generate ones (150 s), the e4b at batch 1 in bf16 and fp8 weights + lm_head
 #              with and without it, beside eager (330 s). One call.
@@ -225,6 +227,7 @@ parts() {
   case $1 in
     rope) echo rope-tests rope-e4b ;;
     merged-attention) echo merged-attn-tests merged-attn-kernel merged-attn-e4b ;;
+    fp8-probe) echo fp8-pdl-e4b profile-e4b-fp8-only ;;
     pending-quick) echo norm-linear-tests quick-e4b ;;
     pending-fp8) echo fp8-e4b-pipe ;;
     pending-26b) echo moe-pipe-sweep pipe-26b ;;
@@ -529,6 +532,16 @@ for s in $(for a in "$@"; do parts "$a"; done); do
     # runs), in one call: the decode kernel's GPU tests, merged and not (150 s); the kernel alone, both ways, bf16
     # and fp8 pools, 1-32 rows, 160 and 4096 tokens (100 s); the e4b at batch 1, bf16 and fp8 weights + lm_head,
     # each both ways, beside eager (260 s).
+    # fp8-probe: why the e4b's fp8 q/k/v GEMM took 8.0 µs for 7.9 MB in the live H100 profile where its o
+    # projection took 3.7 for 5.2 (profile_e4b_fp8_pdl_h100.txt): the e4b at batch 1, bf16 and fp8 weights +
+    # lm_head, each with programmatic dependent launch on and off, beside eager (260 s); then the fp8 profile
+    # with it off, where each kernel's time is its own (200 s).
+    fp8-pdl-e4b)
+      stage fp8-pdl-e4b 260 $GEN e4b --batch 1 --systems eager gemma4opt gemma4opt-paged-nopdl gemma4opt-fp8-head \
+            gemma4opt-fp8-head-nopdl --json "$OUT/generate.jsonl" ;;
+    profile-e4b-fp8-only)
+      GEMMA4OPT_PDL=0 stage profile-e4b-fp8 200 python3 benchmarks/profile_decode.py --preset e4b --new 16 \
+            --attention paged --quantization fp8 --quantize-lm-head --per-category 12 ;;
     merged-attn-tests)
       stage merged-attn-tests 150 $PYTEST tests/gpu/test_gpu_decode_kernel.py ;;
     merged-attn-kernel)
@@ -694,6 +707,6 @@ for s in $(for a in "$@"; do parts "$a"; done); do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b, direct-decode, direct-e4b, direct-26b, layer-table, layer-table-e4b, layer-table-small, merged-attention)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b, direct-decode, direct-e4b, direct-26b, layer-table, layer-table-e4b, layer-table-small, merged-attention, fp8-probe)" ;;
   esac
 done

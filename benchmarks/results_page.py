@@ -36,6 +36,7 @@ SYSTEM_NAMES = {"eager": "HF eager", "static_compile": "HF static cache + torch.
                 "gemma4opt-fp8-head-nodirect": "gemma4opt one-liner, fp8 weights and lm_head, direct_decode=False",
                 "gemma4opt-early-kv": "gemma4opt one-liner, decode attention reading past K/V before the PDL wait",
                 "gemma4opt-fp8-head-early-kv": "gemma4opt one-liner, fp8 weights and lm_head, past K/V before the wait",
+                "gemma4opt-fp8-head-nopdl": "gemma4opt one-liner, fp8 weights and lm_head, programmatic dependent launch off",
                 "gemma4opt-merged-attn": "gemma4opt one-liner, decode attention merging its splits in one launch",
                 "gemma4opt-fp8-head-merged-attn": "gemma4opt one-liner, fp8 weights and lm_head, attention merged in one launch",
                 "gemma4opt-no-rope": "gemma4opt one-liner, HF's rotary cos/sin ops (no rope_cos_sin)",
