@@ -38,6 +38,10 @@ import triton.language as tl
 from gemma4opt.kernels._util import COMPILED as _COMPILED, pdl_flags, pdl_prologue
 
 MAX_SPLITS = 64
+# Triton's interpreter (CPU tests) cannot take loaded values as range() bounds and multiplies
+# bf16 tiles as raw integers: there the loop is a while loop and tiles are multiplied in fp32.
+# The compiled kernel keeps the for loop (Triton software-pipelines it, not a while loop).
+
 # The merged tail (MERGE): a (row, KV head)'s last split program to finish merges the partials, where a
 # second kernel did. Each call leaves its counters at zero; one buffer per device, made outside graph
 # capture (a capture's buffer would belong to that graph's pool). Off until timed on a GPU
@@ -58,9 +62,6 @@ def _counts(device: torch.device) -> torch.Tensor | None:
     if buf is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         buf = _COUNTS[device] = torch.zeros(MERGE_SLOTS, dtype=torch.int32, device=device)
     return buf
-# Triton's interpreter (CPU tests) cannot take loaded values as range() bounds and multiplies
-# bf16 tiles as raw integers: there the loop is a while loop and tiles are multiplied in fp32.
-# The compiled kernel keeps the for loop (Triton software-pipelines it, not a while loop).
 
 
 @triton.jit
