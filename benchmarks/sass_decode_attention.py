@@ -33,28 +33,33 @@ _DIVISIBLE = ("Q", "KV", "KV_SCALE", "TABLE", "LENS", "O", "OP", "LSE", "CNT", "
 
 
 def compile_split_kernel(head_dim: int, group: int, fp8: bool = True, config: dict | None = None, page_size: int = 16,
-                         rows: int = 32, v_wide: bool = True):
-    """The split kernel compiled for sm_90 (a triton CompiledKernel: .asm holds ttgir, ptx, cubin)."""
+                         rows: int = 32, v_wide: bool = True, splits: int = 2, pdl: bool = False, module=None):
+    """The split kernel compiled for sm_90 (a triton CompiledKernel: .asm holds ttgir, ptx, cubin), from
+    ``module`` (another version of kernels/paged_decode.py; default: this one's). Arguments a version
+    lacks are left out; flags it has that this one lacks take their off values."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from gemma4opt.kernels import paged_decode as pd
+    from gemma4opt.kernels import paged_decode
 
+    pd = module or paged_decode
     cfg = {**pd.launch_config(head_dim, rows, fp8), **(config or {})}
     sig = {"Q": "*bf16", "KV": "*fp8e4nv" if fp8 else "*bf16", "KV_SCALE": "*fp32", "TABLE": "*i32", "LENS": "*i32",
            "O": "*bf16", "OP": "*fp32", "LSE": "*fp32", "CNT": "*i32", **{n: "i32" for n in _INT_ARGS},
            "scale": "fp32"}
     const = dict(GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, PS=page_size,
-                 BLOCK_N=cfg["block_n"], NSPLIT=2, TOKENS=1, COMPILED=True, IEEE=False, FP8=fp8,
-                 F16=bool(cfg.get("f16")) and fp8, V_WIDE=v_wide, MERGE=bool(cfg.get("merged", False)), S_PAD=2,
-                 BLOCK_D=min(head_dim, 64), PDL=False)
-    sig.update({k: "constexpr" for k in const})
+                 BLOCK_N=cfg["block_n"], NSPLIT=splits, TOKENS=1, COMPILED=True, IEEE=False, FP8=fp8,
+                 F16=bool(cfg.get("f16")) and fp8, V_WIDE=v_wide, MERGE=bool(cfg.get("merged", False)),
+                 S_PAD=triton.next_power_of_2(splits), BLOCK_D=min(head_dim, 64), PDL=pdl,
+                 EARLY=False)   # a flag of older versions (reads before the PDL wait, since removed): off
     names = list(pd._decode_split_kernel.arg_names)
+    const = {k: v for k, v in const.items() if k in names}
+    sig.update({k: "constexpr" for k in const})
     sig = {n: sig[n] for n in names}
     src = ASTSource(fn=pd._decode_split_kernel, signature=sig,
                     constexprs={(names.index(k),): v for k, v in const.items()},
-                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in _DIVISIBLE})
+                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in _DIVISIBLE if k in names})
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cfg.get("maxnreg"):
         options["maxnreg"] = cfg["maxnreg"]

@@ -6,8 +6,8 @@ On a CPU-only machine (Triton's bundled ptxas and cuobjdump), the split kernel a
 (head_dim 256 and 512, 4 query heads a KV head), bf16 and fp8 pools, and the merge kernel, compiled from
 ``git show <rev>:gemma4opt/kernels/paged_decode.py`` and from the working tree, their SASS compared
 instruction by instruction. Parameter offsets in the constant bank (c[0x0][...]) and instruction encodings
-are left out: a kernel argument added or removed moves them without changing what runs. A constexpr one
-commit has and the other lacks takes its off value (EARLY, MERGE: False). Prints "same" or the first
+are left out: a kernel argument added or removed moves them without changing what runs. Flags one version
+has and the other lacks take their off values (compile_split_kernel). Prints "same" or the first
 differences, so that GPU figures measured at <rev> can be said to hold for a change that touched the file.
 """
 from __future__ import annotations
@@ -23,11 +23,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.sass_decode_attention import sass_of  # noqa: E402
-
-_PTR = {"Q": "*bf16", "KV_SCALE": "*fp32", "TABLE": "*i32", "LENS": "*i32", "O": "*bf16", "OP": "*fp32",
-        "LSE": "*fp32", "CNT": "*i32"}
-_NOT_DIVISIBLE = ("ring", "window", "s_table", "sl_h", "scale")
+from benchmarks.sass_decode_attention import compile_split_kernel, sass_of  # noqa: E402
 
 
 def _module(path: str):
@@ -37,35 +33,27 @@ def _module(path: str):
     return mod
 
 
-def _compile(fn, types: dict, const: dict, options: dict):
+def _merge_kernel(pd):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    names = list(fn.arg_names)
-    const = {k: v for k, v in const.items() if k in names}
-    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if n not in const and n not in _NOT_DIVISIBLE and sig[n] != "fp32"}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    names = list(pd._merge_kernel.arg_names)
+    const = dict(NSPLIT=64, S_PAD=64, BLOCK_D=64, PDL=True)
+    sig = {n: "constexpr" if n in const else {"OP": "*fp32", "LSE": "*fp32", "O": "*bf16"}.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in const and n != "sl_h"}
+    src = ASTSource(fn=pd._merge_kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2))
 
 
 def kernels(pd) -> dict:
-    """name -> compiled kernel, for one version of kernels/paged_decode.py."""
-    out = {}
-    for head_dim in (256, 512):
-        for fp8 in (False, True):
-            cfg = pd.launch_config(head_dim, 1, fp8)
-            const = dict(GROUP=4, G_PAD=16, D=head_dim, PS=16, BLOCK_N=cfg["block_n"], NSPLIT=64, TOKENS=1,
-                         COMPILED=True, IEEE=False, FP8=fp8, F16=bool(cfg.get("f16")) and fp8, V_WIDE=True,
-                         EARLY=False, MERGE=False, S_PAD=64, BLOCK_D=64, PDL=True)
-            opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
-            types = {**_PTR, "KV": "*fp8e4nv" if fp8 else "*bf16", "scale": "fp32"}
-            out[f"split head_dim={head_dim} fp8={fp8}"] = _compile(pd._decode_split_kernel, types, const, opts)
-    out["merge"] = _compile(pd._merge_kernel, _PTR, dict(NSPLIT=64, S_PAD=64, BLOCK_D=64, PDL=True),
-                            dict(num_warps=2))
+    """name -> compiled kernel, for one version of kernels/paged_decode.py: as generate launches them at one
+    row (64 splits, PDL on)."""
+    out = {f"split head_dim={hd} fp8={fp8}": compile_split_kernel(hd, 4, fp8, rows=1, splits=64, pdl=True,
+                                                                  module=pd)[0]
+           for hd in (256, 512) for fp8 in (False, True)}
+    out["merge"] = _merge_kernel(pd)
     return out
 
 

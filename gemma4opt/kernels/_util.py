@@ -24,6 +24,17 @@ def set_pdl(on: bool) -> None:
     _PDL["on"] = bool(on)
 
 
+def zeroed_counters(cache: dict, device: torch.device, size: int) -> torch.Tensor | None:
+    """A device's int32 counters for a kernel whose last program to finish resets the ones it counted
+    on (so they are zero before every call and no memset is launched): made once per device, outside
+    CUDA-graph capture (a buffer from a capture would belong to that graph's memory pool); None while
+    a capture runs before the first call made them."""
+    buf = cache.get(device)
+    if buf is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        buf = cache[device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return buf
+
+
 @functools.lru_cache(maxsize=None)
 def _pdl_capable(index: int) -> bool:
     return COMPILED and torch.cuda.get_device_capability(index)[0] >= 9

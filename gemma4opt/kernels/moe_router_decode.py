@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels._util import pdl_flags, pdl_prologue
+from gemma4opt.kernels._util import pdl_flags, pdl_prologue, zeroed_counters
 from gemma4opt.kernels.moe_router import router_input_row, softmax_topk_store
 from gemma4opt.kernels.rms_norm import inv_rms
 
@@ -64,12 +64,8 @@ def _router_decode_kernel(X, SC, WP, PES, W2, N2, LG, CNT, P, TW, TI, sx, sn, D,
 
 
 def _counts(device: torch.device) -> torch.Tensor | None:
-    """The device's zeroed counts (each call leaves them zero). Made outside CUDA-graph capture only:
-    a buffer from a capture would belong to that graph's memory pool."""
-    buf = _COUNTS.get(device)
-    if buf is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        buf = _COUNTS[device] = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
-    return buf
+    """The device's per-row counts (each call leaves them zero)."""
+    return zeroed_counters(_COUNTS, device, MAX_ROWS)
 
 
 def router_decode_supported(x: torch.Tensor, scale: torch.Tensor, proj_weight: torch.Tensor, top_k: int,

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels._util import COMPILED as _COMPILED, pdl_flags, pdl_prologue
+from gemma4opt.kernels._util import COMPILED as _COMPILED, pdl_flags, pdl_prologue, zeroed_counters
 
 MAX_SPLITS = 64
 # Triton's interpreter (CPU tests) cannot take loaded values as range() bounds and multiplies
@@ -43,9 +43,9 @@ MAX_SPLITS = 64
 # The compiled kernel keeps the for loop (Triton software-pipelines it, not a while loop).
 
 # The merged tail (MERGE): a (row, KV head)'s last split program to finish merges the partials, where a
-# second kernel did. Each call leaves its counters at zero; one buffer per device, made outside graph
-# capture (a capture's buffer would belong to that graph's pool). Off until timed on a GPU
-# (set_merged_tail; bench_attention's triton-merged, bench_generate's -merged-attn systems).
+# second kernel did, counting on one of the device's (row, KV head) counters (_util.zeroed_counters).
+# Off until timed on a GPU (set_merged_tail; bench_attention's triton-merged, bench_generate's
+# -merged-attn systems).
 MERGE_SLOTS = 8192
 _COUNTS: dict = {}
 _MERGED = {"on": False}
@@ -54,14 +54,6 @@ _MERGED = {"on": False}
 def set_merged_tail(on: bool) -> None:
     """Whether the split kernel merges the partials itself (read at each launch, captured with a graph)."""
     _MERGED["on"] = bool(on)
-
-
-def _counts(device: torch.device) -> torch.Tensor | None:
-    """The device's zeroed (row, KV head) counters, or None inside a capture before the first call made them."""
-    buf = _COUNTS.get(device)
-    if buf is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        buf = _COUNTS[device] = torch.zeros(MERGE_SLOTS, dtype=torch.int32, device=device)
-    return buf
 
 
 @triton.jit
@@ -296,7 +288,7 @@ def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, 
     part = torch.empty(*shape, D if n > 1 else 1, dtype=torch.float32, device=q.device)
     lse = torch.empty(shape, dtype=torch.float32, device=q.device)
     block_d = min(D, 64)
-    counts = _counts(q.device) if n > 1 and B * kvh <= MERGE_SLOTS and cfg.get("merged", _MERGED["on"]) else None
+    counts = zeroed_counters(_COUNTS, q.device, MERGE_SLOTS) if n > 1 and B * kvh <= MERGE_SLOTS and cfg.get("merged", _MERGED["on"]) else None
     _decode_split_kernel[(B, kvh, n)](
         q, kv, kv_scale if fp8 else kv, table, seq_lens, out, part, lse, counts if counts is not None else lse,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), table.stride(0),
