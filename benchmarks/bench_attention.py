@@ -82,14 +82,12 @@ def run_case(kind, variant, batch, context, workspace, bw, reps=20, split="auto"
         lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         cfg = None
-        if variant != "triton":         # triton-bN-wW-sS[-rR][-f16][-v8][-merged], triton-f16, triton-merged
+        if variant != "triton":         # triton-bN-wW-sS[-rR][-f16][-v8], triton-f16
             keys = dict(b="block_n", w="num_warps", s="num_stages", r="maxnreg")
             parts = variant.split("-")[1:]
-            cfg = {keys[x[0]]: int(x[1:]) for x in parts if x not in ("f16", "v8", "merged")}
-            if parts != ["merged"]:             # triton-merged: the default launch, its partials merged in it
-                cfg["f16"] = "f16" in parts
-                cfg["v_wide"] = "v8" not in parts      # -v8: v staged in fp8 (see the kernel's V_WIDE)
-            cfg["merged"] = "merged" in parts
+            cfg = {keys[x[0]]: int(x[1:]) for x in parts if x not in ("f16", "v8")}
+            cfg["f16"] = "f16" in parts
+            cfg["v_wide"] = "v8" not in parts      # -v8: v staged in fp8 (see the kernel's V_WIDE)
         kv_scale = torch.ones(2, dtype=torch.float32, device="cuda") if fp8 else None
         return _time(lambda: paged_decode_triton(q, kv, table, lens, window=window or 0, scale=1.0, num_sms=sms,
                                                  config=cfg, kv_scale=kv_scale),

@@ -25,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gemma4opt  # noqa: E402
 from gemma4opt.kernels import moe_experts  # noqa: E402
 from gemma4opt.kernels._util import PDL_DEFAULT, set_decode_row_warps, set_pdl  # noqa: E402
-from gemma4opt.kernels.paged_decode import set_merged_tail  # noqa: E402
 from gemma4opt.kernels.skinny_linear import use_tiles  # noqa: E402
 from gemma4opt.ops.state import MARGINS  # noqa: E402
 from gemma4opt.patterns import PATTERN_NAMES  # noqa: E402
@@ -204,9 +203,6 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      **{f"gemma4opt-fp8-head-rows{w}": dict(quantization="fp8", quantize_lm_head=True, row_warps=w)
                         for w in (2, 4, 8)},
                      # The decode attention's last split program merging the partials (one launch, not two).
-                     "gemma4opt-merged-attn": dict(merged_attn=True),
-                     "gemma4opt-fp8-head-merged-attn": dict(quantization="fp8", quantize_lm_head=True,
-                                                            merged_attn=True),
                      "gemma4opt-fp8-kv8-head": dict(quantization="fp8", kv_cache_dtype="fp8", quantize_lm_head=True),
                      "gemma4opt-paged-fp8": dict(attention="paged", quantization="fp8"),
                      "gemma4opt-paged-fp8-kv8": dict(attention="paged", quantization="fp8", kv_cache_dtype="fp8")}
@@ -233,7 +229,8 @@ def _line(row, res) -> str:
             f"{row['tokens_equal_eager']}   (roofline {row['roofline_ms']:.2f} ms{kv})")
 
 
-def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> None:
+def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> bool:
+    """Measures one system; True where it optimized ``model`` itself and later systems need it rebuilt."""
     gc.collect()            # what the previous system held (and PyTorch cached) goes back to CUDA
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -245,14 +242,15 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         cc._compile_all_devices = True      # HF auto-compiles on CUDA only; benchmark CPU runs too
         kw = dict(cache_implementation="static", compile_config=cc)
     if system in GEMMA4OPT_SYSTEMS:
-        # optimize() changes the instance: when other systems still follow, optimize a copy.
-        sys_model = model if i == len(args.systems) - 1 else copy.deepcopy(model)
+        # optimize() changes the instance: when other systems still follow, optimize a copy, or, where
+        # two copies do not fit the GPU (the 26b-a4b on an H100), the model itself, rebuilt after.
+        last = i == len(args.systems) - 1
+        sys_model = model if last or args.rebuild else copy.deepcopy(model)
         opts = dict(GEMMA4OPT_SYSTEMS[system])
         set_pdl(opts.pop("pdl", PDL_DEFAULT))      # read at each launch: off for this system's whole run
         use_tiles(opts.pop("whole_k", True), opts.pop("narrow", True),      # read when a GEMM shape is first tuned
                   opts.pop("row_split", True), opts.pop("pipelined", False))
         set_decode_row_warps(opts.pop("row_warps", None))   # read at each launch, captured with the graphs
-        set_merged_tail(opts.pop("merged_attn", False))     # the same
         moe_pipe = opts.pop("moe_pipe", 0)                  # read at each launch, captured with the graphs
         for tiles in (moe_experts.TILES, moe_experts.TILES_FP8):
             tiles.update(gu_pipe=moe_pipe, dn_pipe=moe_pipe)
@@ -300,12 +298,12 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> No
         gemma4opt.report(sys_model)
         set_pdl(PDL_DEFAULT)
         set_decode_row_warps(None)
-        set_merged_tail(False)
     if sys_model is not model or system == "static_compile":
         # Its copy of the weights, its KV pool or static cache and its CUDA graphs stay reachable
         # from Dynamo's caches until reset (at batch 128 x prompt 2048 the next system's prefill ran
         # out of memory otherwise); the next system's start collects and empties the cache.
         torch._dynamo.reset()
+    return system in GEMMA4OPT_SYSTEMS and sys_model is model and not last
 
 
 def _compare_with_eager(rows, results) -> None:
@@ -341,6 +339,9 @@ def main(argv=None):
     add_run_args(ap)
     ap.add_argument("--dtype", default=None, choices=sorted(DTYPES))
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rebuild", action=argparse.BooleanOptionalAction, default=None,
+                    help="optimize the model itself and rebuild it (same seed) for the systems after, instead of "
+                         "optimizing a copy (default: where two copies of the weights would not fit the GPU)")
     ap.add_argument("--systems", nargs="+", default=["eager", "static_compile", "gemma4opt"],
                     choices=["eager", "static_compile", *GEMMA4OPT_SYSTEMS])
     ap.add_argument("--fp8-block", type=int, default=128,
@@ -356,6 +357,9 @@ def main(argv=None):
     model = build_model(args.preset, args.layers, dtype=dtype, device=args.device)
     cfg = model.config.get_text_config()
     nparams = sum(p.numel() for p in model.parameters())
+    if args.rebuild is None:    # a copy of the weights beside them must leave a fifth of the GPU's memory
+        args.rebuild = args.device.startswith("cuda") and 2 * nparams * dtype.itemsize > 0.8 * \
+            torch.cuda.get_device_properties(args.device).total_memory
     bw = args.bandwidth = copy_bandwidth(args.device)
     print(f"# preset {args.preset} layers {cfg.num_hidden_layers} params {nparams / 1e9:.2f} B {dtype} on "
           f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}; copy bandwidth "
@@ -373,7 +377,12 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         for i, system in enumerate(args.systems):
-            _run_system(args, model, i, system, prompts, roof, rows, results, cfg)
+            if _run_system(args, model, i, system, prompts, roof, rows, results, cfg):
+                del model           # the same seed builds the same weights again, with nothing else held
+                gc.collect()
+                torch.cuda.empty_cache()
+                torch._dynamo.reset()
+                model = build_model(args.preset, args.layers, dtype=dtype, device=args.device)
     finally:    # a system that fails (out of memory, say) keeps the rows measured before it
         _compare_with_eager(rows, results)
         if args.json:

@@ -78,8 +78,6 @@
 #              and without (limits 150 / 130 s). direct-e4b: the e4b at batch 1 beside eager and HF static + compile,
 #              bf16 and fp8 weights + lm_head, each with and without (560 s). direct-26b: the 26b-a4b at batch 1
 #              with fp8 weights + lm_head, with and without, beside eager (400 s). One call each.
-#   merged-attention  the decode attention's last split program merging the partials, where a second kernel does:
-#              its GPU tests (150 s), the kernel alone both ways (100 s), the e4b at batch 1 both ways (260 s). One call.
 #   fp8-probe  the e4b at batch 1, bf16 and fp8 weights + lm_head, PDL on and off (260 s), then the fp8 profile with
 #              PDL off (200 s): why its fp8 q/k/v GEMM ran 2x its o projection's time in the live profile. One call.
 #   rope       the rotary cos/sin in one launch (rope_cos_sin): its GPU tests (bits over every preset's context, a
@@ -164,6 +162,8 @@
 #   layer-table  profile_decode.py's per-layer table (benchmarks/layer_timeline.py) of one decode step at batch 1,
 #              PDL on so that each layer's time is its real one: launches, idle time and bytes against the copy
 #              bandwidth per layer kind; the e4b, e2b and 26b-a4b in bf16 (170 / 130 / 200 s).
+#   probe-tables  the e4b's fp8 profile with PDL off (fp8-probe's second half, 200 s), then the 26b-a4b's
+#              live layer table (200 s), in one call.
 #   layer-table-small  the same for the e4b in bf16 and with fp8 weights + lm_head, and the e2b (170 / 170 / 130 s).
 #   step-share  generate's ms per step beside the decode step's device time alone (its CUDA graph replayed back to
 #              back) and its launch's host time, 5 repeats each with every repeat's figure and the garbage collector's
@@ -226,8 +226,8 @@ PAGED_KERNELS="flashinfer_matches_reference or fast_replan"
 parts() {
   case $1 in
     rope) echo rope-tests rope-e4b ;;
-    merged-attention) echo merged-attn-tests merged-attn-kernel merged-attn-e4b ;;
     fp8-probe) echo fp8-pdl-e4b profile-e4b-fp8-only ;;
+    probe-tables) echo profile-e4b-fp8-only layer-table-26b ;;
     pending-quick) echo norm-linear-tests quick-e4b ;;
     pending-fp8) echo fp8-e4b-pipe ;;
     pending-26b) echo moe-pipe-sweep pipe-26b ;;
@@ -474,6 +474,9 @@ for s in $(for a in "$@"; do parts "$a"; done); do
         stage layer-table-${p%:*} ${p#*:} python3 benchmarks/profile_decode.py --preset ${p%:*} --new 16 \
               --attention paged --per-category 12
       done ;;
+    layer-table-26b)    # the 26b-a4b in bf16 alone
+      stage layer-table-26b-a4b 200 python3 benchmarks/profile_decode.py --preset 26b-a4b --new 16 \
+            --attention paged --per-category 12 ;;
     layer-table-e4b)    # the e4b in bf16 alone
       stage layer-table-e4b 170 python3 benchmarks/profile_decode.py --preset e4b --new 16 --attention paged \
             --per-category 12 ;;
@@ -528,10 +531,6 @@ for s in $(for a in "$@"; do parts "$a"; done); do
       HOST="python3 benchmarks/profile_host.py --preset e4b --layers 42 --skip-replay"
       stage direct-host 150 $HOST --json "$OUT/host.jsonl"
       stage direct-host-off 130 $HOST --no-direct --json "$OUT/host.jsonl" ;;
-    # merged-attention: the decode attention's last split program merging the partials (off by default until this
-    # runs), in one call: the decode kernel's GPU tests, merged and not (150 s); the kernel alone, both ways, bf16
-    # and fp8 pools, 1-32 rows, 160 and 4096 tokens (100 s); the e4b at batch 1, bf16 and fp8 weights + lm_head,
-    # each both ways, beside eager (260 s).
     # fp8-probe: why the e4b's fp8 q/k/v GEMM took 8.0 µs for 7.9 MB in the live H100 profile where its o
     # projection took 3.7 for 5.2 (profile_e4b_fp8_pdl_h100.txt): the e4b at batch 1, bf16 and fp8 weights +
     # lm_head, each with programmatic dependent launch on and off, beside eager (260 s); then the fp8 profile
@@ -542,15 +541,6 @@ for s in $(for a in "$@"; do parts "$a"; done); do
     profile-e4b-fp8-only)
       GEMMA4OPT_PDL=0 stage profile-e4b-fp8 200 python3 benchmarks/profile_decode.py --preset e4b --new 16 \
             --attention paged --quantization fp8 --quantize-lm-head --per-category 12 ;;
-    merged-attn-tests)
-      stage merged-attn-tests 150 $PYTEST tests/gpu/test_gpu_decode_kernel.py ;;
-    merged-attn-kernel)
-      stage merged-attn-kernel 100 bash -c "python3 benchmarks/bench_attention.py --variants triton triton-merged \
-            --batch 1 8 32 --context 160 4096 --json $OUT/attention.jsonl && python3 benchmarks/bench_attention.py \
-            --variants triton triton-merged --kv-dtype fp8 --batch 1 8 32 --context 160 4096 --json $OUT/attention.jsonl" ;;
-    merged-attn-e4b)
-      stage merged-attn-e4b 260 $GEN e4b --batch 1 --systems eager gemma4opt gemma4opt-merged-attn gemma4opt-fp8-head \
-            gemma4opt-fp8-head-merged-attn --json "$OUT/generate.jsonl" ;;
     # Every kernel test of the defaults not yet run on this GPU kind, 8 at a time (norm_linear, the one-row split
     # GEMM, rope_cos_sin's bits, the pipelined loops; 330 s), then the paged generate tests that compare tokens
     # with eager, rope_cos_sin in them (FlashInfer's JIT included: 260 s).
@@ -707,6 +697,6 @@ for s in $(for a in "$@"; do parts "$a"; done); do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b, direct-decode, direct-e4b, direct-26b, layer-table, layer-table-e4b, layer-table-small, merged-attention, fp8-probe)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b, direct-decode, direct-e4b, direct-26b, layer-table, layer-table-e4b, layer-table-small, fp8-probe, probe-tables)" ;;
   esac
 done

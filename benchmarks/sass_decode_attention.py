@@ -50,9 +50,10 @@ def compile_split_kernel(head_dim: int, group: int, fp8: bool = True, config: di
            "scale": "fp32"}
     const = dict(GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, PS=page_size,
                  BLOCK_N=cfg["block_n"], NSPLIT=splits, TOKENS=1, COMPILED=True, IEEE=False, FP8=fp8,
-                 F16=bool(cfg.get("f16")) and fp8, V_WIDE=v_wide, MERGE=bool(cfg.get("merged", False)),
-                 S_PAD=triton.next_power_of_2(splits), BLOCK_D=min(head_dim, 64), PDL=pdl,
-                 EARLY=False)   # a flag of older versions (reads before the PDL wait, since removed): off
+                 F16=bool(cfg.get("f16")) and fp8, V_WIDE=v_wide, PDL=pdl,
+                 # flags of older versions, since removed, off: reads before the PDL wait (EARLY), the
+                 # merge in the split kernel (MERGE, its counters CNT, S_PAD and BLOCK_D with it)
+                 EARLY=False, MERGE=False, S_PAD=triton.next_power_of_2(splits), BLOCK_D=min(head_dim, 64))
     names = list(pd._decode_split_kernel.arg_names)
     const = {k: v for k, v in const.items() if k in names}
     sig.update({k: "constexpr" for k in const})

@@ -36,3 +36,21 @@ def test_no_graph_no_replay_time():
     bench = _bench()
     assert bench.graph_replay_ms(types.SimpleNamespace(last_replayed=None)) is None
     assert bench.graph_replay_ms(types.SimpleNamespace()) is None
+
+
+def test_rebuild_optimizes_the_model_itself_and_rebuilds_the_same_weights_after():
+    """--rebuild (two copies of the 26b-a4b's weights do not fit an H100): each optimized system but the
+    last runs on the model itself and the next gets the same seed's model again, unoptimized; the tokens
+    then equal eager's as a copy's would (tiny, fp32, CPU)."""
+    bench = _bench()
+    built = []
+    real = bench.build_model
+    bench.build_model = lambda *a, **k: built.append(real(*a, **k)) or built[-1]
+    try:
+        rows = bench.main(["--preset", "tiny", "--prompt", "6", "--new", "4", "--repeats", "1", "--rebuild",
+                           "--systems", "eager", "gemma4opt", "gemma4opt", "--device", "cpu"])
+    finally:
+        bench.build_model = real
+    assert len(built) == 2              # the first, then one rebuild for the last system (none after it)
+    assert hasattr(built[0], "_gemma4opt") and hasattr(built[1], "_gemma4opt")
+    assert [r["tokens_equal_eager"] for r in rows] == [True, True, True]

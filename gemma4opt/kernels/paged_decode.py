@@ -9,8 +9,7 @@ everything from the device page table and the lengths, so a decode graph replays
 Grid (rows, kv_heads, splits): a program takes the GROUP query heads that share one KV head and
 one contiguous chunk of the visible tokens (chunks are multiples of BLOCK_N; chunks past the end
 exit at once), so a batch of one still fills the GPU. Each program keeps an online softmax over
-its tiles; with more than one split a second kernel merges the partial outputs by their LSE (with
-the merged tail, MERGE, the last of a row's KV head's split programs to finish does, in one launch).
+its tiles; with more than one split a second kernel merges the partial outputs by their LSE.
 The split count depends on shapes only (rows, kv heads, SMs), never on lengths: a graph captured
 for a bucket stays valid for every length distribution.
 
@@ -35,25 +34,12 @@ import torch
 import triton
 import triton.language as tl
 
-from gemma4opt.kernels._util import COMPILED as _COMPILED, pdl_flags, pdl_prologue, zeroed_counters
+from gemma4opt.kernels._util import COMPILED as _COMPILED, pdl_flags, pdl_prologue
 
 MAX_SPLITS = 64
 # Triton's interpreter (CPU tests) cannot take loaded values as range() bounds and multiplies
 # bf16 tiles as raw integers: there the loop is a while loop and tiles are multiplied in fp32.
 # The compiled kernel keeps the for loop (Triton software-pipelines it, not a while loop).
-
-# The merged tail (MERGE): a (row, KV head)'s last split program to finish merges the partials, where a
-# second kernel did, counting on one of the device's (row, KV head) counters (_util.zeroed_counters).
-# Off until timed on a GPU (set_merged_tail; bench_attention's triton-merged, bench_generate's
-# -merged-attn systems).
-MERGE_SLOTS = 8192
-_COUNTS: dict = {}
-_MERGED = {"on": False}
-
-
-def set_merged_tail(on: bool) -> None:
-    """Whether the split kernel merges the partials itself (read at each launch, captured with a graph)."""
-    _MERGED["on"] = bool(on)
 
 
 @triton.jit
@@ -118,13 +104,13 @@ def _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head
 
 
 @triton.jit
-def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE, CNT,
+def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE,
                          sq_b, sq_h, s_page, s_kv, s_tok, s_head, s_table, ring, so_b, so_h, sp_b, sp_h, sp_s,
                          sl_b, sl_h, window, scale,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
                          BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, TOKENS: tl.constexpr, COMPILED: tl.constexpr,
                          IEEE: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr, V_WIDE: tl.constexpr,
-                         MERGE: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                         PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -174,43 +160,24 @@ def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE, CNT,
         tl.store(OP + b * sp_b + heads[:, None] * sp_h + sp * sp_s + d[None, :], out, mask=gmask[:, None])
         lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
         tl.store(LSE + b * sl_b + heads * sl_h + sp, lse, mask=gmask)
-        if MERGE:
-            # Every thread's stores are issued before the count goes up (the barrier); the atomic's
-            # release / acquire then makes them, and every other split's, visible to the last program,
-            # which reads them past L1 (.cg) and sets the count back to 0 for the next call.
-            tl.debug_barrier()
-            slot = CNT + b * tl.num_programs(1) + kh
-            if tl.atomic_add(slot, 1, sem="acq_rel") == NSPLIT - 1:
-                for hg in range(GROUP):
-                    for dj in range(D // BLOCK_D):
-                        _merge_block(OP, LSE, O, b, kh * GROUP + hg, dj * BLOCK_D + tl.arange(0, BLOCK_D),
-                                     sp_b, sp_h, sp_s, sl_b, sl_h, so_b, so_h, NSPLIT, S_PAD, ".cg")
-                tl.store(slot, 0)
-
-
-@triton.jit
-def _merge_block(OP, LSE, O, b, h, d, sp_b, sp_h, sp_s, sl_b, sl_h, so_b, so_h,
-                 NSPLIT: tl.constexpr, S_PAD: tl.constexpr, CACHE: tl.constexpr):
-    """Head h's output columns d of row b from every split's partial and LSE, loaded at once: a loop
-    over splits would wait on one load after another (64 round trips at a batch of one)."""
-    s = tl.arange(0, S_PAD)
-    lse = tl.load(LSE + b * sl_b + h * sl_h + s, mask=s < NSPLIT, other=float("-inf"), cache_modifier=CACHE)
-    live = lse > float("-inf")          # splits past the end hold nothing: not even read
-    w = tl.where(live, tl.exp(lse - tl.max(lse, 0)), 0.0)
-    part = tl.load(OP + b * sp_b + h * sp_h + s[:, None] * sp_s + d[None, :], mask=live[:, None], other=0.0,
-                   cache_modifier=CACHE)
-    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(O + b * so_b + h * so_h + d, out.to(O.dtype.element_ty))
 
 
 @triton.jit
 def _merge_kernel(OP, LSE, O, sp_b, sp_h, sp_s, sl_b, sl_h, so_b, so_h,
                   NSPLIT: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
-    # One program per (row, head, BLOCK_D columns).
+    # One program per (row, head, BLOCK_D columns), every split's partial loaded at once: a loop
+    # over splits would wait on one load after another (64 round trips at a batch of one).
     b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    _merge_block(OP, LSE, O, b, tl.program_id(1), d, sp_b, sp_h, sp_s, sl_b, sl_h, so_b, so_h, NSPLIT, S_PAD, "")
+    s = tl.arange(0, S_PAD)
+    lse = tl.load(LSE + b * sl_b + h * sl_h + s, mask=s < NSPLIT, other=float("-inf"))
+    live = lse > float("-inf")          # splits past the end hold nothing: not even read
+    w = tl.where(live, tl.exp(lse - tl.max(lse, 0)), 0.0)
+    part = tl.load(OP + b * sp_b + h * sp_h + s[:, None] * sp_s + d[None, :], mask=live[:, None], other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(O + b * so_b + h * so_h + d, out.to(O.dtype.element_ty))
 
 
 def decode_splits(rows: int, kv_heads: int, num_sms: int) -> int:
@@ -287,21 +254,19 @@ def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, 
     shape = (B, H, n) if n > 1 else (1, 1, 1)
     part = torch.empty(*shape, D if n > 1 else 1, dtype=torch.float32, device=q.device)
     lse = torch.empty(shape, dtype=torch.float32, device=q.device)
-    block_d = min(D, 64)
-    counts = zeroed_counters(_COUNTS, q.device, MERGE_SLOTS) if n > 1 and B * kvh <= MERGE_SLOTS and cfg.get("merged", _MERGED["on"]) else None
     _decode_split_kernel[(B, kvh, n)](
-        q, kv, kv_scale if fp8 else kv, table, seq_lens, out, part, lse, counts if counts is not None else lse,
+        q, kv, kv_scale if fp8 else kv, table, seq_lens, out, part, lse,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), table.stride(0),
         table.shape[1], out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1), window, scale,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, PS=ps, BLOCK_N=cfg["block_n"], NSPLIT=n,
         TOKENS=tokens, COMPILED=_COMPILED, IEEE=q.dtype == torch.float32, FP8=fp8, F16=f16,
-        V_WIDE=bool(cfg.get("v_wide", True)), MERGE=counts is not None, S_PAD=triton.next_power_of_2(n),
-        BLOCK_D=block_d, num_warps=cfg["num_warps"],
+        V_WIDE=bool(cfg.get("v_wide", True)), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         **pdl_flags(out))
-    if n > 1 and counts is None:
+    if n > 1:
+        block_d = min(D, 64)
         _merge_kernel[(B, H, D // block_d)](part, lse, out, part.stride(0), part.stride(1), part.stride(2),
                                             lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
                                             NSPLIT=n, S_PAD=triton.next_power_of_2(n), BLOCK_D=block_d, num_warps=2,

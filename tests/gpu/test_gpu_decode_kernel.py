@@ -30,10 +30,7 @@ def _page_lists(seqs, lens, window, ps):
 @pytest.mark.parametrize("head_dim,heads,kv_heads,window", [(256, 32, 16, 1024), (512, 32, 4, None),
                                                              (256, 8, 2, 512), (512, 16, 2, None)])
 @pytest.mark.parametrize("batch", [1, 3, 64])
-@pytest.mark.parametrize("merged", [False, True])
-def test_decode_kernel_matches_reference_at_real_dims(head_dim, heads, kv_heads, window, batch, merged):
-    # merged: the last split program of each (row, KV head) merges the partials (kernels/paged_decode.py's
-    # MERGE), three steps in a row on the same counters.
+def test_decode_kernel_matches_reference_at_real_dims(head_dim, heads, kv_heads, window, batch):
     torch.manual_seed(batch)
     ps, dtype, dev = 16, torch.bfloat16, "cuda"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -59,7 +56,7 @@ def test_decode_kernel_matches_reference_at_real_dims(head_dim, heads, kv_heads,
         q = torch.randn(batch, heads, head_dim, device=dev, dtype=dtype)
         table = torch.from_numpy(seqs.table).to(dev)
         got = paged_decode_triton(q, kv, table, torch.from_numpy(new_lens.astype(np.int32)).to(dev), window or 0, 1.0,
-                                  sms, config={"merged": merged})
+                                  sms)
         want = paged_attention_reference(q.float(), kv.float(), t["kv_indptr"], t["kv_indices"].long(),
                                          t["kv_last_page_len"], t["kv_start"], t["qo_indptr"], t["seq_lens"], window,
                                          1.0)
@@ -70,8 +67,7 @@ def test_decode_kernel_matches_reference_at_real_dims(head_dim, heads, kv_heads,
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("tokens", [1, 3])
 @pytest.mark.parametrize("window", [0, 64])
-@pytest.mark.parametrize("merged", [False, True])
-def test_step_tokens_appended_by_the_previous_kernel_are_read_after_its_end(tokens, window, fp8, merged):
+def test_step_tokens_appended_by_the_previous_kernel_are_read_after_its_end(tokens, window, fp8):
     # In a CUDA graph with programmatic dependent launch the decode kernel starts while kv_append, the kernel
     # before it, still runs. Every replay appends new values at the same slots: a new token read before its
     # wait would hold the previous replay's values. (On an H100 a kernel reading them before the wait
@@ -98,8 +94,7 @@ def test_step_tokens_appended_by_the_previous_kernel_are_read_after_its_end(toke
 
     def step():
         kv_append_triton(kv, k_new, v_new, slots, index, scales)
-        return paged_decode_triton(q, kv, table, rows, window, 1.0, sms, tokens=tokens, kv_scale=scales,
-                                   config={"merged": merged})
+        return paged_decode_triton(q, kv, table, rows, window, 1.0, sms, tokens=tokens, kv_scale=scales)
 
     assert _util.pdl_flags(q).get("PDL"), "needs a GPU with programmatic dependent launch (sm_90+)"
     for t in (k_new, v_new, q):
@@ -113,6 +108,5 @@ def test_step_tokens_appended_by_the_previous_kernel_are_read_after_its_end(toke
         for t in (k_new, v_new, q):
             t.normal_()
         graph.replay()
-        want = paged_decode_triton(q, kv, table, rows, window, 1.0, sms, tokens=tokens, kv_scale=scales,
-                                   config={"merged": merged})
+        want = paged_decode_triton(q, kv, table, rows, window, 1.0, sms, tokens=tokens, kv_scale=scales)
         assert torch.equal(out, want)

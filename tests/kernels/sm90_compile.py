@@ -156,10 +156,8 @@ _DIVISIBLE_INTS = ("N", "K", "swn", "sym", "sx", "sr", "ss", "sn", "D", "sxm", "
 def _rows():
     for name, fn, types, constexprs, warps, *stages in _variants():
         yield name, lambda: _compile(fn, types, constexprs, warps, *stages)
-    for merged in (False, True):        # the e4b's geometry (head_dim 256, 4 query heads a KV head), as launched
-        for fp8 in (False, True):
-            yield (f"decode attention split merged={merged} fp8={fp8}",
-                   lambda fp8=fp8, merged=merged: compile_split_kernel(256, 4, fp8, {"merged": merged}, rows=1)[0])
+    for fp8 in (False, True):           # the e4b's geometry (head_dim 256, 4 query heads a KV head), as launched
+        yield (f"decode attention split fp8={fp8}", lambda fp8=fp8: compile_split_kernel(256, 4, fp8, rows=1)[0])
 
 
 def main() -> None:

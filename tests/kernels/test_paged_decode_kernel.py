@@ -183,26 +183,3 @@ def test_fp8_pool_needs_scales():
     with pytest.raises(ValueError, match="needs kv_scale"):
         paged_decode_triton(torch.zeros(1, 2, 16), torch.zeros(1, 2, 4, 1, 16).to(torch.float8_e4m3fn),
                             torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0, 1.0, 4)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", [(lens, 1, *rest) for lens, *rest in CASES] +
-                         [(lens, T, ps, H, kvh, D, w, s, None) for lens, T, ps, H, kvh, D, w, s in MULTI])
-def test_merged_tail_gives_the_merge_kernels_bits_and_leaves_its_counters_zero(dtype, case):
-    # The last split program of a (query row, KV head) merges the partials with the merge kernel's code;
-    # one and several new tokens a sequence. Run twice, so that a counter left non-zero by the first call
-    # would skip or misplace the second's merge.
-    from gemma4opt.kernels import paged_decode as pd
-
-    lens, T, ps, H, kvh, D, window, splits, ring = case
-    g = torch.Generator().manual_seed(sum(lens) + 5)
-    kv, table, _ = _batch(lens, ps, kvh, D, dtype, window and window + T - 1, g, ring)
-    rows = torch.tensor([n - T + t + 1 for n in lens for t in range(T)], dtype=torch.int32)
-    dev = [t.to(DEVICE) for t in (torch.randn(len(lens) * T, H, D, generator=g).to(dtype), kv, table, rows)]
-    kw = dict(window=window, scale=0.6, num_sms=4, splits=splits, tokens=T)
-    two = paged_decode_triton(*dev, **kw, config={"merged": False})
-    for _ in range(2):
-        one = paged_decode_triton(*dev, **kw, config={"merged": True})
-        assert torch.equal(one, two)
-    counts = pd._COUNTS.get(dev[0].device)
-    assert splits == 1 or (counts is not None and not counts.any())
