@@ -32,7 +32,7 @@
 #   fp8-block-tests, fp8-block-e4b, fp8-block-26b  FineGrainedFP8 checkpoints: the block-scaled fp8 GEMM's
 #              and experts' tests on the GPU and optimized checkpoints against the reference path (300 s); the
 #              e4b at batch 1 against both baselines with gemma4opt bf16, per-channel fp8 and the checkpoint
-#              (400 s); the 26b-a4b at batch 1, bf16 and the checkpoint against both baselines (480 s).
+#              (400 s); the 26b-a4b at batch 1, bf16 and the checkpoint against both baselines (420 s).
 #              fp8-block-sweep: the block GEMM's decode tiles at the e4b's GEMMs against the per-channel fp8 GEMM,
 #              bf16 F.linear and the fp8 bytes' time (500 s; why the checkpoint decodes at 11 ms/step on the e4b).
 #              fp8-block-verify: the tests, then the sweep (1 and 8 rows), in one call.
@@ -576,8 +576,9 @@ for s in $(for a in "$@"; do parts "$a"; done); do
       stage fp8-block-profile-l4 120 python3 benchmarks/profile_decode.py --preset e4b --layers 4 --attention paged \
             --fp8-block 128 ;;
     fp8-block-26b)      # the 26b-a4b's FP8Experts at decode (the pairs GEMMs), against eager and HF static + compile
-      stage fp8-block-26b 480 $GEN 26b-a4b --batch 1 --systems eager static_compile gemma4opt \
-            gemma4opt-finegrained-fp8 --json "$OUT/generate.jsonl" ;;
+      # (last: its compile is the longest part; on an H100 the model is rebuilt between systems, --rebuild)
+      stage fp8-block-26b 420 $GEN 26b-a4b --batch 1 --systems eager gemma4opt gemma4opt-finegrained-fp8 \
+            static_compile --json "$OUT/generate.jsonl" ;;
     # The 31b case of the paged generate tests against eager (rope_cos_sin at head_dim 512 among them; 90 s with
     # FlashInfer's kernels carried in .ficache).
     paged-31b)
