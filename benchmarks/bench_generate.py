@@ -306,6 +306,10 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> bo
     return system in GEMMA4OPT_SYSTEMS and sys_model is model and not last
 
 
+def _allocated_gib(device: str) -> float:
+    return torch.cuda.memory_allocated(device) / 2**30 if device.startswith("cuda") else 0.0
+
+
 def _compare_with_eager(rows, results) -> None:
     """Systems measured before eager were not compared when they ran: compare them now. Where the
     tokens differ: the first step that differs and eager's top-2 logit margin there."""
@@ -378,10 +382,12 @@ def main(argv=None):
     try:
         for i, system in enumerate(args.systems):
             if _run_system(args, model, i, system, prompts, roof, rows, results, cfg):
+                held = _allocated_gib(args.device)
                 del model           # the same seed builds the same weights again, with nothing else held
                 gc.collect()
                 torch.cuda.empty_cache()
-                torch._dynamo.reset()
+                print(f"# {system} optimized the model itself: {held:.1f} GiB allocated, "
+                      f"{_allocated_gib(args.device):.1f} GiB once it was dropped; rebuilt", flush=True)
                 model = build_model(args.preset, args.layers, dtype=dtype, device=args.device)
     finally:    # a system that fails (out of memory, say) keeps the rows measured before it
         _compare_with_eager(rows, results)

@@ -162,6 +162,9 @@
 #   layer-table  profile_decode.py's per-layer table (benchmarks/layer_timeline.py) of one decode step at batch 1,
 #              PDL on so that each layer's time is its real one: launches, idle time and bytes against the copy
 #              bandwidth per layer kind; the e4b, e2b and 26b-a4b in bf16 (170 / 130 / 200 s).
+#   freed      an optimized model's device memory back after del + gc.collect (test_gpu_freed.py) and the tiny
+#              variants' captured decode graphs against eager (150 s), then the e4b at batch 1 in bf16 and with fp8
+#              weights + lm_head, gemma4opt alone (150 s). One call.
 #   probe-tables  the e4b's fp8 profile with PDL off (fp8-probe's second half, 200 s), then the 26b-a4b's
 #              live layer table (200 s), in one call.
 #   layer-table-small  the same for the e4b in bf16 and with fp8 weights + lm_head, and the e2b (170 / 170 / 130 s).
@@ -228,6 +231,7 @@ parts() {
     rope) echo rope-tests rope-e4b ;;
     fp8-probe) echo fp8-pdl-e4b profile-e4b-fp8-only ;;
     probe-tables) echo profile-e4b-fp8-only layer-table-26b ;;
+    freed) echo freed-tests freed-e4b ;;
     pending-quick) echo norm-linear-tests quick-e4b ;;
     pending-fp8) echo fp8-e4b-pipe ;;
     pending-26b) echo moe-pipe-sweep pipe-26b ;;
@@ -474,6 +478,11 @@ for s in $(for a in "$@"; do parts "$a"; done); do
         stage layer-table-${p%:*} ${p#*:} python3 benchmarks/profile_decode.py --preset ${p%:*} --new 16 \
               --attention paged --per-category 12
       done ;;
+    freed-tests)        # an optimized model's memory back after del; the tiny variants' decode graphs == eager
+      stage freed-tests 150 $PYTEST tests/gpu/test_gpu_freed.py tests/gpu/test_gpu_generate.py \
+            -k "freed or (tiny_variants and captured)" ;;
+    freed-e4b)          # the e4b at batch 1, bf16 and fp8 weights + lm_head, no baseline (a short device budget)
+      stage freed-e4b 150 $GEN e4b --batch 1 --systems gemma4opt gemma4opt-fp8-head --json "$OUT/generate.jsonl" ;;
     layer-table-26b)    # the 26b-a4b in bf16 alone
       stage layer-table-26b-a4b 200 python3 benchmarks/profile_decode.py --preset 26b-a4b --new 16 \
             --attention paged --per-category 12 ;;
@@ -698,6 +707,6 @@ for s in $(for a in "$@"; do parts "$a"; done); do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b, direct-decode, direct-e4b, direct-26b, layer-table, layer-table-e4b, layer-table-small, fp8-probe, probe-tables)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b, direct-decode, direct-e4b, direct-26b, layer-table, layer-table-e4b, layer-table-small, fp8-probe, probe-tables, freed)" ;;
   esac
 done

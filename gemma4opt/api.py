@@ -1,6 +1,7 @@
 """optimize(): check the model, prepare patterns, install the compiled forward on this instance."""
 from __future__ import annotations
 
+import builtins
 import collections
 import dataclasses
 import functools
@@ -76,6 +77,8 @@ class OptimizationState:
     compiled_forward: Callable | None = None     # any call: prefill, or decode on a dynamic cache
     hf_forward: Callable | None = None           # paged mode: calls without a paged cache (HF attention)
     decode_forward: Callable | None = None       # decode steps as CUDA graphs (static or paged cache)
+    decode_root: torch.nn.Module | None = field(default=None, repr=False)  # the module those graphs run
+    compiled_graphs: list = field(default_factory=list, repr=False)     # what the backend compiled (compiler/backend.py)
     hooks: HookWatch | None = None               # module hooks changed after optimize(): HF's forward runs
     weights: MergedWeightWatch | None = None     # merged weights' views given new storage: copied back
     modules: ModuleTreeWatch | None = None       # submodules replaced after optimize(): optimized again
@@ -267,14 +270,12 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits, 
         state.hf_forward = torch.compile(_own_code_entry(target.forward),
                                          backend=make_backend(state, lower_prefill, paged=False), fullgraph=True)
     if cfg.cuda_graphs:
-        def graphs(gm, example_inputs):      # gemma4opt's decode graphs of the rewritten graph
-            return decode_graphs.graphed_decode(state, target, gm, example_inputs)
-
+        state.decode_root = target      # the module gemma4opt's decode graphs of the rewritten graph run
         # gemma4opt's own decode graphs check the model's tensors per step more cheaply than Dynamo's
         # guards over each of them (runtime/decode_graphs.py's doc): those guards are dropped there.
         def compile_decode(forward=target.forward):      # HF's forward (later, target.forward is ours)
             options = None if cfg.inductor else {"guard_filter_fn": decode_graphs.model_guards_dropped(target)}
-            return torch.compile(_own_code_entry(forward), backend=make_backend(state, cfg.inductor, graphs),
+            return torch.compile(_own_code_entry(forward), backend=make_backend(state, cfg.inductor, graphs=True),
                                  fullgraph=True, options=options)      # (torch.compile pops from options)
 
         state.decode_forward = decode_graphs.RecompileOnModelChange(compile_decode)
@@ -418,17 +419,19 @@ def _install_generate_checks(model, state, edits: InstanceEdits) -> None:
 
 
 def _own_code_entry(fn):
-    """A wrapper with a code object of its own.
+    """A wrapper with a code object of its own, and globals of its own.
 
     Dynamo keeps compiled graphs per code object; HF's forward decorators share one code object
     across every model, so two optimized models would evict each other's graphs (and
-    ``fullgraph=True`` turns hitting the recompile limit into an error).
+    ``fullgraph=True`` turns hitting the recompile limit into an error). And it stores each graph
+    it compiles (``__compiled_fn_*``) in the globals of the frame it compiled: these, not a module's.
     """
     def entry(*args, **kwargs):
         return fn(*args, **kwargs)
 
     code = entry.__code__.replace(co_name=f"gemma4opt_forward_{next(_entry_ids)}")
-    return types.FunctionType(code, entry.__globals__, code.co_name, entry.__defaults__, entry.__closure__)
+    return types.FunctionType(code, {"__builtins__": builtins}, code.co_name, entry.__defaults__,
+                              entry.__closure__)
 
 
 def _make_forward(model, target, state: OptimizationState):
