@@ -388,6 +388,9 @@ def main(argv=None):
                 torch.cuda.empty_cache()
                 print(f"# {system} optimized the model itself: {held:.1f} GiB allocated, "
                       f"{_allocated_gib(args.device):.1f} GiB once it was dropped; rebuilt", flush=True)
+                torch._dynamo.reset()   # whatever Dynamo still holds (the line above says if anything was)
+                gc.collect()
+                torch.cuda.empty_cache()
                 model = build_model(args.preset, args.layers, dtype=dtype, device=args.device)
     finally:    # a system that fails (out of memory, say) keeps the rows measured before it
         _compare_with_eager(rows, results)
