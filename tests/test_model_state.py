@@ -73,15 +73,18 @@ def test_two_models_keep_their_own_picks_and_experts(probe):
 
 
 def _greedy_steps(model, ids, new, cache):
-    """A greedy loop of direct forward calls, one yield per call (so two loops can interleave)."""
+    """A greedy loop of direct forward calls, one yield per call (so two loops can interleave). No
+    grad around each call only: grad mode is the thread's, so a no_grad block held across a yield
+    stayed in force for the caller, and for later tests, until the generator was collected."""
     tokens = ids
     with torch.no_grad():
         out = model(ids, past_key_values=cache, attention_mask=torch.ones_like(ids), use_cache=True)
-        for i in range(new):
-            nxt = out.logits[:, -1:].argmax(-1)
-            tokens = torch.cat([tokens, nxt], 1)
-            yield tokens
-            if i + 1 < new:
+    for i in range(new):
+        nxt = out.logits[:, -1:].argmax(-1)
+        tokens = torch.cat([tokens, nxt], 1)
+        yield tokens
+        if i + 1 < new:
+            with torch.no_grad():
                 out = model(nxt, past_key_values=cache, attention_mask=torch.ones_like(tokens), use_cache=True)
 
 
