@@ -77,7 +77,7 @@ class OptimizationState:
     compiled_forward: Callable | None = None     # any call: prefill, or decode on a dynamic cache
     hf_forward: Callable | None = None           # paged mode: calls without a paged cache (HF attention)
     decode_forward: Callable | None = None       # decode steps as CUDA graphs (static or paged cache)
-    decode_root: torch.nn.Module | None = field(default=None, repr=False)  # the module those graphs run
+    decode_graphs: Callable | None = field(default=None, repr=False)   # makes a decode graph's runner (backend)
     compiled_graphs: list = field(default_factory=list, repr=False)     # what the backend compiled (compiler/backend.py)
     hooks: HookWatch | None = None               # module hooks changed after optimize(): HF's forward runs
     weights: MergedWeightWatch | None = None     # merged weights' views given new storage: copied back
@@ -270,7 +270,10 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits, 
         state.hf_forward = torch.compile(_own_code_entry(target.forward),
                                          backend=make_backend(state, lower_prefill, paged=False), fullgraph=True)
     if cfg.cuda_graphs:
-        state.decode_root = target      # the module gemma4opt's decode graphs of the rewritten graph run
+        def graphs(gm, example_inputs):      # gemma4opt's decode graphs of the rewritten graph
+            return decode_graphs.graphed_decode(state, target, gm, example_inputs)
+
+        state.decode_graphs = graphs        # the state's own: Dynamo never holds it (compiler/backend.py)
         # gemma4opt's own decode graphs check the model's tensors per step more cheaply than Dynamo's
         # guards over each of them (runtime/decode_graphs.py's doc): those guards are dropped there.
         def compile_decode(forward=target.forward):      # HF's forward (later, target.forward is ours)

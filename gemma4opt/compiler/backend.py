@@ -14,9 +14,9 @@ def make_backend(state, lower: bool, graphs: bool = False, paged: bool = True):
 
     lower: hand the rewritten graph to Inductor; otherwise run it as captured (gemma4opt ops +
     aten calls). graphs: replay it as CUDA graphs (decode steps): lowered, as Inductor's cudagraph
-    trees; otherwise runtime/decode_graphs.py's graphs of the rewritten graph, over the module
-    ``state.decode_root``. paged=False: graphs of calls without a paged cache, which the
-    paged-only patterns skip.
+    trees; otherwise ``state.decode_graphs(gm, example_inputs)`` wraps the rewritten graph (the
+    runtime's decode graphs, which api.py gives the state). paged=False: graphs of calls without a
+    paged cache, which the paged-only patterns skip.
 
     Nothing Dynamo keeps holds the model: Dynamo keeps every backend it was given in a process-wide
     table until ``torch._dynamo.reset()``, and the compiled graphs it gets back in its frames'
@@ -42,9 +42,7 @@ def make_backend(state, lower: bool, graphs: bool = False, paged: bool = True):
         if graphs and not lower:
             # The rewritten graph as captured, replayed as CUDA graphs without Inductor's codegen:
             # the fused ops already cover the memory-bound work.
-            from gemma4opt.runtime import decode_graphs
-
-            compiled = decode_graphs.graphed_decode(state, state.decode_root, gm, example_inputs)
+            compiled = state.decode_graphs(gm, example_inputs)
         elif not lower:
             compiled = gm.forward
         else:
