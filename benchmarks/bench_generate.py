@@ -202,7 +202,6 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      **{f"gemma4opt-rows{w}": dict(row_warps=w) for w in (2, 4, 8)},
                      **{f"gemma4opt-fp8-head-rows{w}": dict(quantization="fp8", quantize_lm_head=True, row_warps=w)
                         for w in (2, 4, 8)},
-                     # The decode attention's last split program merging the partials (one launch, not two).
                      "gemma4opt-fp8-kv8-head": dict(quantization="fp8", kv_cache_dtype="fp8", quantize_lm_head=True),
                      "gemma4opt-paged-fp8": dict(attention="paged", quantization="fp8"),
                      "gemma4opt-paged-fp8-kv8": dict(attention="paged", quantization="fp8", kv_cache_dtype="fp8")}
