@@ -27,6 +27,25 @@ def _settle() -> int:
     return torch.cuda.memory_allocated()
 
 
+def _live_cuda_tensors(limit: int = 8) -> str:
+    """What still holds device memory, for the failure message: the largest CUDA tensors the
+    collector sees and the types of their referrers."""
+    found, graphs = [], 0
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.is_cuda:
+                found.append(obj)
+            graphs += isinstance(obj, torch.cuda.CUDAGraph)
+        except Exception:       # objects whose isinstance check raises (lazy proxies)
+            continue
+    found.sort(key=lambda t: -t.untyped_storage().nbytes())
+    lines = []
+    for t in found[:limit]:
+        holders = sorted({type(r).__name__ for r in gc.get_referrers(t) if r is not found})
+        lines.append(f"{tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes() / 2**20:.1f} MiB, held by {holders}")
+    return f"{graphs} CUDA graphs and {len(found)} CUDA tensors alive; largest: " + "; ".join(lines)
+
+
 def _optimized_run_dropped(config) -> int:
     """Bytes of the model's weights; the model is optimized, generates (its decode graphs captured,
     then replayed) and is dropped."""
@@ -51,4 +70,5 @@ def test_an_optimized_models_device_memory_comes_back_after_del(config):
     before = _settle()
     weights = _optimized_run_dropped(config)
     left = _settle() - before
-    assert left < 0.01 * weights, f"{left / 2**20:.1f} MiB of a {weights / 2**20:.0f} MiB model still allocated"
+    assert left < 0.01 * weights, (f"{left / 2**20:.1f} MiB of a {weights / 2**20:.0f} MiB model still allocated; "
+                                   + _live_cuda_tensors())
