@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import builtins
 import collections
+import copy
 import dataclasses
 import functools
 import itertools
@@ -240,6 +241,7 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits, 
     if reason is not None:
         state.disabled_reason = reason
         warnings.warn(f"gemma4opt: {reason}; the model runs HF's unfused path", stacklevel=3)
+        edits.set(model, "__deepcopy__", _make_deepcopy(model))
         edits.set(model, "_gemma4opt", state)
         return
 
@@ -319,6 +321,9 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits, 
         p.prepare(target, text_config)
     edits.set(target, "forward", _make_forward(model, target, state))
     edits.set(model, "_apply", _make_apply(model))
+    edits.set(model, "__deepcopy__", _make_deepcopy(model))
+    if target is not model:
+        edits.set(target, "__deepcopy__", _make_part_copy(model))
     edits.set(model, "_gemma4opt", state)
     state.hooks = HookWatch(target)       # last: the module tree as it runs (fp8 linears swapped in)
     state.weights = MergedWeightWatch(target)
@@ -351,6 +356,44 @@ def _make_apply(model):
         return out
 
     return _apply
+
+
+# Kept on a copy: the model's own config copies (the caller's edits to them stay), made its own again by _install.
+_COPIED_EDITS = ("config", "generation_config")
+
+
+def _make_deepcopy(model):
+    """``copy.deepcopy`` of the optimized model: HF's copy of the module tree as it is now (merged and
+    fp8 weights included), optimized again with the same config, with its own state, graphs and KV
+    pool. Python's own copy would keep gemma4opt's instance attributes as they are: a forward whose
+    closure holds this model's state and weights, so the copy would run the original's weights."""
+    def __deepcopy__(memo):
+        state = model._gemma4opt
+        if state.shard is not None:
+            raise NotImplementedError("gemma4opt: a model optimized with tensor_parallel=True holds this rank's "
+                                      "share of the weights and its process group; copy the model before optimize()")
+        with state.edits.lifted(keep=_COPIED_EDITS):
+            twin = copy.deepcopy(model, memo)
+        configs = (twin.config, getattr(twin, "generation_config", None), dict(state.gen_written))
+        edits = InstanceEdits()
+        try:
+            _install(twin, _check_model(twin), state.user_config, edits, configs)
+        except BaseException:
+            edits.revert()
+            raise
+        return twin
+
+    return __deepcopy__
+
+
+def _make_part_copy(model):
+    """``copy.deepcopy`` of the text decoder alone (inside an optimized vision-language model): HF's
+    module as it is now, its forward HF's (the optimized entry belongs to the whole model)."""
+    def __deepcopy__(memo):
+        with model._gemma4opt.edits.lifted(keep=_COPIED_EDITS):
+            return copy.deepcopy(_check_model(model), memo)
+
+    return __deepcopy__
 
 
 def _reoptimize(model, when: str, hint: str, stacklevel: int) -> None:

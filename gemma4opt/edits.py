@@ -6,6 +6,7 @@ owns are set (the model, its modules, its own copies of its configs), never a cl
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 
@@ -32,12 +33,32 @@ class InstanceEdits:
         while self._undo:
             ref, name, old = self._undo.pop()
             obj = ref()
-            if obj is None:
+            if obj is not None:
+                _put(obj, name, old)
+
+    @contextlib.contextmanager
+    def lifted(self, keep: tuple[str, ...] = ()):
+        """Every edit but those of the names in ``keep`` taken off for the block and put back after,
+        the records kept: the instance as HF made it, to copy it."""
+        now = []
+        for ref, name, old in reversed(self._undo):
+            obj = ref()
+            if obj is None or name in keep:
                 continue
-            if old is _MISSING:
-                obj.__dict__.pop(name, None)
-            else:
-                obj.__dict__[name] = old
+            now.append((obj, name, obj.__dict__.get(name, _MISSING)))
+            _put(obj, name, old)
+        try:
+            yield
+        finally:
+            for obj, name, value in reversed(now):
+                _put(obj, name, value)
+
+
+def _put(obj, name: str, value) -> None:
+    if value is _MISSING:
+        obj.__dict__.pop(name, None)
+    else:
+        obj.__dict__[name] = value
 
 
 def own_configs(model, edits: InstanceEdits, base=None) -> None:
