@@ -322,6 +322,7 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits, 
     edits.set(target, "forward", _make_forward(model, target, state))
     edits.set(model, "_apply", _make_apply(model))
     edits.set(model, "__deepcopy__", _make_deepcopy(model))
+    edits.set(model, "__reduce_ex__", functools.partial(_reduce_ex, model))
     if target is not model:
         edits.set(target, "__deepcopy__", _make_part_copy(model))
     edits.set(model, "_gemma4opt", state)
@@ -342,6 +343,27 @@ def _refuse_save(*args, **kwargs):
         "gemma4opt: a model optimized with quantization='fp8' holds gemma4opt's fp8 weights (e4m3, one scale "
         "per output channel), which no transformers checkpoint format describes; save the model before "
         "optimize(), or optimize it without quantization")
+
+
+class _Unpicklable:
+    """First in an optimized model's pickled state: pickle would otherwise stop at the first of the
+    instance attributes optimize() set (compiled entry points, closures over the model's state and KV
+    pool), none picklable, with an error that names an HF function."""
+
+    def __reduce_ex__(self, protocol):
+        raise NotImplementedError(
+            "gemma4opt: an optimized model cannot be pickled (torch.save(model), pickle.dumps): its compiled "
+            "entry points and KV pool are not picklable; save its weights (save_pretrained, or "
+            "torch.save(model.state_dict())), or pickle the model before optimize(), and call optimize() "
+            "after loading")
+
+
+def _reduce_ex(model, protocol):
+    """Python's reduction of the model, its state led by an ``_Unpicklable``: pickling raises that
+    error, while copy.copy (which reduces too, and copies nothing) still shares the model's attributes."""
+    reduced = list(object.__reduce_ex__(model, protocol))
+    reduced[2] = {"_gemma4opt_unpicklable": _Unpicklable(), **reduced[2]}
+    return tuple(reduced)
 
 
 def _make_apply(model):

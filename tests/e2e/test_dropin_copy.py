@@ -92,3 +92,19 @@ def test_a_copy_of_a_model_whose_config_was_not_recognized_is_hfs_model_too():
     assert twin._gemma4opt is not model._gemma4opt and twin._gemma4opt.disabled_reason
     ids = prompt(1, 7)
     assert torch.equal(greedy(twin, ids), greedy(ref, ids))
+
+
+def test_pickling_is_refused_with_what_to_do_instead_and_a_shallow_copy_shares_the_model():
+    import io
+    import pickle
+
+    model = gemma4opt.optimize(tiny())
+    ref = tiny()
+    for dump in (lambda m: torch.save(m, io.BytesIO()), pickle.dumps):
+        with pytest.raises(NotImplementedError, match="cannot be pickled.*save_pretrained"):
+            dump(model)
+    shallow = copy.copy(model)
+    ids = prompt(1, 7)
+    assert shallow._gemma4opt is model._gemma4opt and shallow.lm_head is model.lm_head
+    assert torch.equal(greedy(shallow, ids), greedy(ref, ids))
+    assert pickle.loads(pickle.dumps(ref)) is not None           # HF's model itself pickles
