@@ -82,3 +82,31 @@ def test_assisted_decoding_with_an_optimized_assistant_replays_graphs_and_equals
     assert model._gemma4opt.graphed_calls - replays >= 3, "the target's draft verification did not replay graphs"
     lookup = _greedy(model, ids, mask, 16, prompt_lookup_num_tokens=3)
     assert torch.equal(lookup, _greedy(ref, ids, mask, 16, prompt_lookup_num_tokens=3))
+
+
+def test_a_deep_copy_runs_its_own_weights_in_its_own_graphs():
+    """copy.deepcopy of the one-liner (paged, decode graphs): the copy is optimized again, with its own
+    KV pool and graphs, and an in-place edit of its weights shows in its tokens only, as in a model
+    edited the same way before optimize() (tests/e2e/test_dropin_copy.py on the CPU)."""
+    pytest.importorskip("flashinfer")
+
+    def edit_(m):
+        with torch.no_grad():
+            for layer in m.model.layers:
+                layer.mlp.down_proj.weight.mul_(-3.0)
+
+    model = build_model("e2b", 2, dtype=torch.bfloat16, device="cuda")
+    edited = copy.deepcopy(model)
+    edit_(edited)
+    gemma4opt.optimize(model)
+    gemma4opt.optimize(edited)
+    ids, mask = _prompt(2, 20, model.config.vocab_size)
+    before = _greedy(model, ids, mask, 8)
+    twin = copy.deepcopy(model)
+    assert twin._gemma4opt.context is not model._gemma4opt.context
+    assert torch.equal(_greedy(twin, ids, mask, 8), before)
+    edit_(twin)
+    assert torch.equal(_greedy(twin, ids, mask, 8), _greedy(edited, ids, mask, 8))
+    assert not torch.equal(_greedy(twin, ids, mask, 8), before)
+    assert torch.equal(_greedy(model, ids, mask, 8), before)
+    assert twin._gemma4opt.graphed_calls > 0, "the copy's decode did not replay its own graphs"
