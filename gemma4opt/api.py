@@ -298,6 +298,8 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits, 
         if cfg.cache == "static" and not paged and gen.cache_implementation is None:
             state.gen_written["cache_implementation"] = (None, "static")
             gen.cache_implementation = "static"
+    if gen is not None:
+        edits.set(model, "save_pretrained", _make_save(model, state))
     if cfg.cuda_graphs:
         install_static_cache_reuse(model, state, edits)
     if cfg.deferred_stop:
@@ -330,6 +332,28 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits, 
     state.weights = MergedWeightWatch(target)
     state.modules = ModuleTreeWatch(target)
     state.head = TiedHeadWatch(model)
+
+
+def _make_save(model, state):
+    """HF's save_pretrained, with the generation config as the caller has it: the fields optimize()
+    set there for this instance's generate (disable_compile) are not written to the checkpoint, where
+    they would turn HF's compile off for whoever loads it."""
+    hf_save = model.save_pretrained
+
+    @functools.wraps(hf_save)
+    def save_pretrained(*args, **kwargs):
+        gen, written = model.generation_config, {}
+        for name, (before, ours) in state.gen_written.items():
+            if getattr(gen, name, None) == ours:     # else the caller set it since: theirs, saved
+                written[name] = ours
+                setattr(gen, name, before)
+        try:
+            return hf_save(*args, **kwargs)
+        finally:
+            for name, ours in written.items():
+                setattr(gen, name, ours)
+
+    return save_pretrained
 
 
 def _refuse_save_sharded(*args, **kwargs):

@@ -6,6 +6,8 @@ step on the caller's own DynamicCache differs by ~4e-7 in the logits, because HF
 Dynamo differs from HF eager there (plain ``torch.compile(model.forward, backend="eager")`` gives the
 same difference), so those compare with atol 2e-6. Tokens are always compared exactly."""
 import copy
+import json
+import os
 import tempfile
 import warnings
 
@@ -183,9 +185,15 @@ def test_moves_after_optimize(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_save_pretrained_round_trip(mode):
     model, ref = pair("tiny", mode)
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as d, tempfile.TemporaryDirectory() as hf:
         model.save_pretrained(d)
+        ref.save_pretrained(hf)
+        # The same files as HF's: no field optimize() set for this instance (disable_compile) saved.
+        for name in ("config.json", "generation_config.json"):
+            with open(os.path.join(d, name)) as got, open(os.path.join(hf, name)) as want:
+                assert json.load(got) == json.load(want), name
         loaded = Gemma4ForCausalLM.from_pretrained(d)
+    assert model.generation_config.disable_compile      # still the optimized model's own, after the save
     want, got = ref.state_dict(), loaded.state_dict()
     assert got.keys() == want.keys()
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
