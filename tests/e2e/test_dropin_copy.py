@@ -44,8 +44,10 @@ def test_a_deep_copy_is_optimized_and_runs_its_own_weights(name):
     # The oracle: an unoptimized model with the copy's weights, edited the same way.
     oracle = tiny("tiny-ple-shared")
     if name != "fp8":
+        unedited = _logits(twin, ids)
         _edit_(twin)
         _edit_(oracle)
+        assert not torch.equal(_logits(twin, ids), unedited)
         assert torch.equal(_logits(twin, ids), _logits(oracle, ids))
         assert torch.equal(greedy(twin, ids), greedy(oracle, ids))
     else:                                               # no bf16 oracle of fp8 weights: the copy against itself

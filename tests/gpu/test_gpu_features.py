@@ -94,6 +94,7 @@ def test_a_deep_copy_runs_its_own_weights_in_its_own_graphs():
         with torch.no_grad():
             for layer in m.model.layers:
                 layer.mlp.down_proj.weight.mul_(-3.0)
+            m.model.norm.weight.neg_()      # the logits negated: a 2-layer random model's tokens change
 
     model = build_model("e2b", 2, dtype=torch.bfloat16, device="cuda")
     edited = copy.deepcopy(model)
