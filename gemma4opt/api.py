@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import builtins
 import collections
-import copy
 import dataclasses
 import functools
 import itertools
@@ -19,6 +18,7 @@ from gemma4opt.compiler.backend import make_backend
 from gemma4opt.compiler.pass_manager import PassManager, PatternStats
 from gemma4opt.compiler.pattern import PassContext
 from gemma4opt.config import Gemma4OptConfig, choose_attention
+from gemma4opt.copying import PICKLED, install_copying
 from gemma4opt.edits import InstanceEdits, own_configs
 from gemma4opt.fixed_tensors import FixedTensors
 from gemma4opt.ops.fp8_checkpoint import adopt_fp8_modules
@@ -241,8 +241,8 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits, 
     if reason is not None:
         state.disabled_reason = reason
         warnings.warn(f"gemma4opt: {reason}; the model runs HF's unfused path", stacklevel=3)
-        edits.set(model, "__deepcopy__", _make_deepcopy(model))
         edits.set(model, "_gemma4opt", state)
+        install_copying(model, edits, _optimize_again, _unpickled)
         return
 
     dyn = torch._dynamo.config
@@ -323,15 +323,12 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits, 
         p.prepare(target, text_config)
     edits.set(target, "forward", _make_forward(model, target, state))
     edits.set(model, "_apply", _make_apply(model))
-    edits.set(model, "__deepcopy__", _make_deepcopy(model))
-    edits.set(model, "__reduce_ex__", functools.partial(_reduce_ex, model))
-    if target is not model:
-        edits.set(target, "__deepcopy__", _make_part_copy(model))
     edits.set(model, "_gemma4opt", state)
     state.hooks = HookWatch(target)       # last: the module tree as it runs (fp8 linears swapped in)
     state.weights = MergedWeightWatch(target)
     state.modules = ModuleTreeWatch(target)
     state.head = TiedHeadWatch(model)
+    install_copying(model, edits, _optimize_again, _unpickled)     # last: after every other edit
 
 
 def _make_save(model, state):
@@ -369,27 +366,6 @@ def _refuse_save(*args, **kwargs):
         "optimize(), or optimize it without quantization")
 
 
-class _Unpicklable:
-    """First in an optimized model's pickled state: pickle would otherwise stop at the first of the
-    instance attributes optimize() set (compiled entry points, closures over the model's state and KV
-    pool), none picklable, with an error that names an HF function."""
-
-    def __reduce_ex__(self, protocol):
-        raise NotImplementedError(
-            "gemma4opt: an optimized model cannot be pickled (torch.save(model), pickle.dumps): its compiled "
-            "entry points and KV pool are not picklable; save its weights (save_pretrained, or "
-            "torch.save(model.state_dict())), or pickle the model before optimize(), and call optimize() "
-            "after loading")
-
-
-def _reduce_ex(model, protocol):
-    """Python's reduction of the model, its state led by an ``_Unpicklable``: pickling raises that
-    error, while copy.copy (which reduces too, and copies nothing) still shares the model's attributes."""
-    reduced = list(object.__reduce_ex__(model, protocol))
-    reduced[2] = {"_gemma4opt_unpicklable": _Unpicklable(), **reduced[2]}
-    return tuple(reduced)
-
-
 def _make_apply(model):
     """``.to()``, ``.cuda()``, ``.half()``... on the optimized model: HF's move, then the same
     optimize() again for the new device and dtype (merged weights merged again, as views; a new
@@ -404,42 +380,27 @@ def _make_apply(model):
     return _apply
 
 
-# Kept on a copy: the model's own config copies (the caller's edits to them stay), made its own again by _install.
-_COPIED_EDITS = ("config", "generation_config")
+def _optimize_again(model, config, gen_written: dict) -> None:
+    """A deep copy or an unpickled model (copying.py): optimize() with ``config`` from its own config
+    copies as they are (the fields the original's optimize() set on the generation config,
+    ``gen_written``, put back where still its own). A failure leaves HF's model and says so, as a
+    move to where it cannot be optimized does."""
+    configs = (model.config, getattr(model, "generation_config", None), gen_written)
+    edits = InstanceEdits()
+    try:
+        _install(model, _check_model(model), config, edits, configs)
+    except Exception as e:
+        edits.revert()
+        own_configs(model, InstanceEdits(), configs)
+        warnings.warn(f"gemma4opt: the copied or unpickled model could not be optimized again ({e}); it runs HF's "
+                      "own forward: call gemma4opt.optimize(model, config)", stacklevel=3)
 
 
-def _make_deepcopy(model):
-    """``copy.deepcopy`` of the optimized model: HF's copy of the module tree as it is now (merged and
-    fp8 weights included), optimized again with the same config, with its own state, graphs and KV
-    pool. Python's own copy would keep gemma4opt's instance attributes as they are: a forward whose
-    closure holds this model's state and weights, so the copy would run the original's weights."""
-    def __deepcopy__(memo):
-        state = model._gemma4opt
-        if state.shard is not None:
-            raise NotImplementedError("gemma4opt: a model optimized with tensor_parallel=True holds this rank's "
-                                      "share of the weights and its process group; copy the model before optimize()")
-        with state.edits.lifted(keep=_COPIED_EDITS):
-            twin = copy.deepcopy(model, memo)
-        configs = (twin.config, getattr(twin, "generation_config", None), dict(state.gen_written))
-        edits = InstanceEdits()
-        try:
-            _install(twin, _check_model(twin), state.user_config, edits, configs)
-        except BaseException:
-            edits.revert()
-            raise
-        return twin
-
-    return __deepcopy__
-
-
-def _make_part_copy(model):
-    """``copy.deepcopy`` of the text decoder alone (inside an optimized vision-language model): HF's
-    module as it is now, its forward HF's (the optimized entry belongs to the whole model)."""
-    def __deepcopy__(memo):
-        with model._gemma4opt.edits.lifted(keep=_COPIED_EDITS):
-            return copy.deepcopy(_check_model(model), memo)
-
-    return __deepcopy__
+def _unpickled(model, pickled: dict) -> None:
+    """A pickled optimized model's state setter (copying.py): HF's state, then optimize() with its config."""
+    config, gen_written = pickled.pop(PICKLED)
+    model.__setstate__(pickled)
+    _optimize_again(model, config, gen_written)
 
 
 def _reoptimize(model, when: str, hint: str, stacklevel: int) -> None:

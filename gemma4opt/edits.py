@@ -54,6 +54,29 @@ class InstanceEdits:
                 _put(obj, name, value)
 
 
+    def objects(self) -> list:
+        """The live objects these edits changed, each once, in order of their first edit."""
+        seen = {}
+        for ref, _, _ in self._undo:
+            obj = ref()
+            if obj is not None:
+                seen.setdefault(id(obj), obj)
+        return list(seen.values())
+
+    def state_before(self, obj, keep: tuple[str, ...] = ()) -> dict:
+        """A copy of ``obj.__dict__`` as it was before these edits, the names in ``keep`` as they are
+        now (an object's pickled state, without what optimize() set on it)."""
+        state = dict(obj.__dict__)
+        state.pop("_compiled_call_impl", None)      # as nn.Module.__getstate__ leaves it out
+        for ref, name, old in reversed(self._undo):     # the first edit's value before it is put last
+            if name not in keep and ref() is obj:
+                if old is _MISSING:
+                    state.pop(name, None)
+                else:
+                    state[name] = old
+        return state
+
+
 def _put(obj, name: str, value) -> None:
     if value is _MISSING:
         obj.__dict__.pop(name, None)

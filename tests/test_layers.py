@@ -9,6 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lowest first. A package may import its own modules and any lower layer's, never a higher one.
 LAYERS = [
     {"progress", "fixed_tensors", "step_inputs", "presets", "loading", "edits", "tensor_parallel"},
+    {"copying"},
     {"kernels"},
     {"ops"},
     {"compiler"},
