@@ -53,7 +53,6 @@ class InstanceEdits:
             for obj, name, value in reversed(now):
                 _put(obj, name, value)
 
-
     def objects(self) -> list:
         """The live objects these edits changed, each once, in order of their first edit."""
         seen = {}
