@@ -383,17 +383,9 @@ def _make_apply(model):
 def _optimize_again(model, config, gen_written: dict) -> None:
     """A deep copy or an unpickled model (copying.py): optimize() with ``config`` from its own config
     copies as they are (the fields the original's optimize() set on the generation config,
-    ``gen_written``, put back where still its own). A failure leaves HF's model and says so, as a
-    move to where it cannot be optimized does."""
+    ``gen_written``, put back where still its own)."""
     configs = (model.config, getattr(model, "generation_config", None), gen_written)
-    edits = InstanceEdits()
-    try:
-        _install(model, _check_model(model), config, edits, configs)
-    except Exception as e:
-        edits.revert()
-        own_configs(model, InstanceEdits(), configs)
-        warnings.warn(f"gemma4opt: the copied or unpickled model could not be optimized again ({e}); it runs HF's "
-                      "own forward: call gemma4opt.optimize(model, config)", stacklevel=3)
+    _install_or_leave_hf(model, config, configs, "as a copy", "again", stacklevel=5)
 
 
 def _unpickled(model, pickled: dict) -> None:
@@ -410,9 +402,14 @@ def _reoptimize(model, when: str, hint: str, stacklevel: int) -> None:
     state = model._gemma4opt
     configs = (model.config, getattr(model, "generation_config", None), dict(state.gen_written))
     _revert(model)
+    _install_or_leave_hf(model, state.user_config, configs, when, hint, stacklevel + 1)
+
+
+def _install_or_leave_hf(model, config, configs, when: str, hint: str, stacklevel: int) -> None:
+    """_install from ``configs``; a failure leaves HF's model, with its config copies, and says so."""
     edits = InstanceEdits()
     try:
-        _install(model, _check_model(model), state.user_config, edits, configs)
+        _install(model, _check_model(model), config, edits, configs)
     except BaseException as e:
         edits.revert()
         own_configs(model, InstanceEdits(), configs)     # HF's from now on: the caller's edits stay

@@ -34,7 +34,7 @@ class InstanceEdits:
             ref, name, old = self._undo.pop()
             obj = ref()
             if obj is not None:
-                _put(obj, name, old)
+                _put(obj.__dict__, name, old)
 
     @contextlib.contextmanager
     def lifted(self, keep: tuple[str, ...] = ()):
@@ -46,12 +46,12 @@ class InstanceEdits:
             if obj is None or name in keep:
                 continue
             now.append((obj, name, obj.__dict__.get(name, _MISSING)))
-            _put(obj, name, old)
+            _put(obj.__dict__, name, old)
         try:
             yield
         finally:
             for obj, name, value in reversed(now):
-                _put(obj, name, value)
+                _put(obj.__dict__, name, value)
 
     def objects(self) -> list:
         """The live objects these edits changed, each once, in order of their first edit."""
@@ -69,18 +69,15 @@ class InstanceEdits:
         state.pop("_compiled_call_impl", None)      # as nn.Module.__getstate__ leaves it out
         for ref, name, old in reversed(self._undo):     # the first edit's value before it is put last
             if name not in keep and ref() is obj:
-                if old is _MISSING:
-                    state.pop(name, None)
-                else:
-                    state[name] = old
+                _put(state, name, old)
         return state
 
 
-def _put(obj, name: str, value) -> None:
+def _put(attrs: dict, name: str, value) -> None:
     if value is _MISSING:
-        obj.__dict__.pop(name, None)
+        attrs.pop(name, None)
     else:
-        obj.__dict__[name] = value
+        attrs[name] = value
 
 
 def own_configs(model, edits: InstanceEdits, base=None) -> None:
