@@ -480,7 +480,7 @@ for s in $(for a in "$@"; do parts "$a"; done); do
       done ;;
     freed-tests)        # an optimized model's memory back after del; the tiny variants' decode graphs == eager; a deep copy
       stage freed-tests 200 $PYTEST tests/gpu/test_gpu_freed.py tests/gpu/test_gpu_generate.py \
-            tests/gpu/test_gpu_features.py -k "freed or (tiny_variants and captured) or deep_copy" ;;
+            tests/gpu/test_gpu_features.py -k "freed or (tiny_variants and captured) or deep_copy or pickled" ;;
     freed-e4b)          # the e4b at batch 1, bf16 and fp8 weights + lm_head, no baseline (a short device budget)
       stage freed-e4b 150 $GEN e4b --batch 1 --systems gemma4opt gemma4opt-fp8-head --json "$OUT/generate.jsonl" ;;
     layer-table-26b)    # the 26b-a4b in bf16 alone

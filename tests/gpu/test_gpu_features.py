@@ -111,3 +111,26 @@ def test_a_deep_copy_runs_its_own_weights_in_its_own_graphs():
     assert not torch.equal(_greedy(twin, ids, mask, 8), before)
     assert torch.equal(_greedy(model, ids, mask, 8), before)
     assert twin._gemma4opt.graphed_calls > 0, "the copy's decode did not replay its own graphs"
+
+
+def test_a_pickled_model_loads_optimized_on_the_gpu():
+    """torch.save / torch.load of the one-liner on CUDA: the loaded model is optimized again with the
+    same config, its own KV pool and graphs, and gives the saved model's tokens (on the CPU:
+    tests/e2e/test_dropin_copy.py)."""
+    import io
+
+    pytest.importorskip("flashinfer")
+    model = build_model("e2b", 2, dtype=torch.bfloat16, device="cuda")
+    gemma4opt.optimize(model)
+    ids, mask = _prompt(2, 20, model.config.vocab_size)
+    before = _greedy(model, ids, mask, 8)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded._gemma4opt is not model._gemma4opt and loaded._gemma4opt.context is not model._gemma4opt.context
+    assert loaded._gemma4opt.config == model._gemma4opt.config
+    assert next(loaded.parameters()).device.type == "cuda"
+    assert torch.equal(_greedy(loaded, ids, mask, 8), before)
+    assert loaded._gemma4opt.graphed_calls > 0, "the loaded model's decode did not replay its own graphs"
+    assert torch.equal(_greedy(model, ids, mask, 8), before)
