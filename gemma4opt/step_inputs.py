@@ -32,3 +32,21 @@ def generation_config_of(model, kwargs):
     except Exception:      # noqa: BLE001
         return None
     return gen
+
+
+
+MASK_GAP = "an attention_mask with a 0 after a 1 in a row (right padding or a gap between tokens; paged takes left padding)"
+
+
+def mask_gap_rows(mask) -> list[int]:
+    """The rows of a 2-D attention mask that are not left padding: a 0 after the row's first 1 (right
+    padding, or a gap between its tokens). The paged cache keeps a row's real tokens back to back and
+    drops the masked ones, where HF keeps every slot, masked or not, in its cache and its sliding
+    window: such a row's tokens would differ from HF's. Read on the host (one copy of the mask)."""
+    import torch
+
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[1] < 2:
+        return []
+    m = mask.detach().to("cpu") != 0
+    after_one = m.to(torch.int32).cummax(1).values.bool() & ~m
+    return after_one.any(1).nonzero().flatten().tolist()

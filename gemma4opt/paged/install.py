@@ -14,7 +14,7 @@ from gemma4opt.paged.backends import paged_unsupported
 from gemma4opt.paged.cache import PagedCache
 from gemma4opt.paged.forward import begin_paged_step, is_paged, paged_attention_on
 from gemma4opt.paged.step import StepContext
-from gemma4opt.step_inputs import cache_of, generation_config_of
+from gemma4opt.step_inputs import MASK_GAP, cache_of, generation_config_of, mask_gap_rows
 
 
 def check_paged_supported(device, dtype, text_config, kv_dtype=None) -> None:
@@ -55,6 +55,11 @@ def install_paged(model, target, state, device, dtype, edits) -> None:
                 if changed:
                     raise ValueError(f"gemma4opt: {changed}, so this PagedCache (made before) no longer fits the "
                                      "model; start a new generate call without it")
+                gaps = mask_gap_rows(generate_mask(model, args, kwargs))
+                if gaps:
+                    raise ValueError(f"gemma4opt: attention_mask rows {gaps[:8]} hold a 0 after a 1 (right padding or "
+                                     "a gap between tokens), which this PagedCache cannot continue as HF would: it "
+                                     "keeps left padding only; pad on the left, or start a new call without the cache")
                 check_generate_limits(ctx, model, args, kwargs, given)
                 with generating(state):
                     return original_generate(*args, **kwargs)
@@ -62,9 +67,11 @@ def install_paged(model, target, state, device, dtype, edits) -> None:
         gen = generation_config_of(model, kwargs)
         if gen is None or hf_generate_reason(target, gen) is not None or state.hooks.reason() is not None:
             return original_generate(*args, **kwargs)      # beam search, static cache, attentions...: HF's path
-        changed = layout_change(layout, state.text_config)
+        # HF reads the config at each call (its masks, its new cache), and keeps masked slots in both:
+        # a call the pool's layout or its packed rows would answer differently runs HF's path.
+        changed = layout_change(layout, state.text_config) or (
+            MASK_GAP if mask_gap_rows(generate_mask(model, args, kwargs, gen)) else None)
         if changed:
-            # HF reads these at each call (its masks, its new cache): so does its path here
             reason = f"{changed}: generate runs on HF's cache and attention"
             if not state.fallbacks[reason]:
                 warnings.warn(f"gemma4opt: {reason}", stacklevel=2)
@@ -175,6 +182,25 @@ def hf_generate_reason(target, gen) -> str | None:
     if target.training:
         return "training mode"
     return None
+
+
+def generate_mask(model, args, kwargs, gen=None):
+    """The 2-D attention mask a generate call will run with: the caller's, else the one HF infers
+    from pad tokens in input_ids (its _prepare_attention_mask_for_generation: where the pad id is
+    set, not an eos id, and in the ids), else None (every token real)."""
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        return mask
+    ids = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs"))
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+        return None
+    gen = gen if gen is not None else generation_config_of(model, kwargs)
+    pad = getattr(gen, "pad_token_id", None)
+    eos = getattr(gen, "eos_token_id", None)
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if pad is None or pad in eos:
+        return None
+    return ids != pad
 
 
 def check_generate_limits(ctx, model, args, kwargs, cache, gen=None) -> None:

@@ -20,6 +20,7 @@ from gemma4opt.paged.pool import (allocate_kv, allocate_kv_scales, free_device_m
                                    pool_pages, token_bytes)
 from gemma4opt.paged.staging import HostStaging
 from gemma4opt.paged.tables import PagedSequences, PagePool, StepMeta
+from gemma4opt.step_inputs import mask_gap_rows
 
 # Tokens a recording cache keeps past the sliding window: the most HF may crop at once (an
 # assisted draft is at most num_assistant_tokens, 20 by default, growing by 2 per accepted draft).
@@ -184,7 +185,13 @@ class StepContext:
         if not decode and attention_mask is not None and attention_mask.dim() == 2:
             # Prefill, a continued cache's new tokens, a draft to verify: the mask's last ``tokens``
             # columns say which of the step's tokens are real (left padding is not). Read on the host.
-            real = attention_mask[:, -tokens:].detach().to("cpu", torch.bool).numpy()
+            host_mask = attention_mask.detach().to("cpu")
+            gaps = mask_gap_rows(host_mask)
+            if gaps:
+                raise ValueError(f"gemma4opt paged step: attention_mask rows {gaps[:8]} hold a 0 after a 1 (right "
+                                 "padding or a gap between tokens); the paged cache keeps left padding only, where "
+                                 "HF keeps the masked slots: pad on the left, or call without a PagedCache")
+            real = host_mask[:, -tokens:].to(torch.bool).numpy()
         if real is None:       # every token real: decode steps (cached per batch size)
             new, token_index = self._all_real(batch, tokens)
         else:

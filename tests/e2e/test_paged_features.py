@@ -2,8 +2,10 @@
 position_ids, cache_implementation, outputs that need HF's forward, assisted decoding, limits.
 Every case compares with HF eager on a copy taken before optimize (tokens equal; scores,
 logits and attentions equal in shape and, within a tolerance, in value)."""
+import contextlib
 import copy
 import gc
+import warnings
 
 import numpy as np
 import pytest
@@ -375,3 +377,50 @@ def test_a_changed_sliding_window_runs_hfs_path_and_a_cache_made_before_is_refus
         model.config.sliding_window = WINDOW                    # back as it was: the paged path again
         got = model.generate(ids, return_dict_in_generate=True, **kw)
         assert isinstance(got.past_key_values, PagedCache)
+
+
+@pytest.mark.parametrize("where", ["right", "gap"])
+def test_a_mask_that_is_not_left_padding_runs_hfs_path_with_hfs_tokens(where):
+    """The paged cache keeps a row's real tokens back to back; HF keeps the masked slots (right
+    padding, a gap between tokens) in its cache and its window, so such a call runs HF's path,
+    counted and warned once, and a PagedCache refuses to continue such a mask."""
+    ref, model = _pair("tiny")
+    length = 2 * WINDOW + 1
+    ids, mask = prompt(2, length, seed=3), torch.ones(2, length, dtype=torch.long)
+    cols = slice(length - 3, None) if where == "right" else slice(4, 7)
+    mask[1, cols] = 0
+    st = model._gemma4opt
+    before = sum(n for k, n in st.fallbacks.items() if "0 after a 1" in k)
+    warned = pytest.warns(UserWarning, match="a 0 after a 1") if not before else contextlib.nullcontext()
+    with warned:                                        # once per model
+        got = _gen(model, ids, attention_mask=mask)
+    assert torch.equal(got, _gen(ref, ids, attention_mask=mask))
+    assert sum(n for k, n in st.fallbacks.items() if "0 after a 1" in k) == before + 1
+    assert any("0 after a 1" in k for k in gemma4opt.report(model, print_table=False).fallbacks)
+
+    left, left_mask = _padded(2, length, seed=3)      # left padding: the paged path, continued with a gap
+    out = _gen(model, left, attention_mask=left_mask, return_dict_in_generate=True)
+    assert isinstance(out.cache, PagedCache)
+    longer = torch.cat([out.sequences, prompt(2, 3, seed=4)], 1)
+    gap = _extend(left_mask, longer.shape[1] - left_mask.shape[1])
+    gap[0, -4] = 0
+    with pytest.raises(ValueError, match=r"attention_mask rows \[0\] hold a 0 after a 1"):
+        _gen(model, longer, attention_mask=gap, cache=out.cache)
+    with pytest.raises(ValueError, match=r"paged step: attention_mask rows \[0\] hold a 0 after a 1"):
+        with torch.no_grad():
+            model(longer[:, -3:], attention_mask=gap, past_key_values=out.cache)
+    del out
+
+
+def test_a_mask_hf_infers_from_right_pad_tokens_runs_hfs_path_too():
+    """No attention_mask: HF infers one from pad tokens in the ids, right padding included."""
+    ref, model = _pair("tiny")
+    ids = prompt(2, WINDOW + 3, seed=5)
+    ids[1, -2:] = 0
+    gaps = lambda: sum(n for k, n in model._gemma4opt.fallbacks.items() if "0 after a 1" in k)  # noqa: E731
+    before = gaps()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = _gen(model, ids, pad_token_id=0)
+    assert torch.equal(got, _gen(ref, ids, pad_token_id=0))
+    assert gaps() == before + 1
