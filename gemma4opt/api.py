@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import threading
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -56,6 +57,15 @@ _entry_ids = itertools.count()
 _RECOMPILE_LIMIT = 32
 
 
+def _raise_recompile_limit() -> None:
+    """Dynamo's config values are per thread (context variables): a call from a thread that has not
+    seen the raised limit (a server's worker) would stop at 8 graphs with a hard error (fullgraph),
+    so every call raises it where it runs (a read, ~2 µs, once set)."""
+    dyn = torch._dynamo.config
+    if dyn.recompile_limit < _RECOMPILE_LIMIT:
+        dyn.recompile_limit = _RECOMPILE_LIMIT
+
+
 @dataclass
 class OptimizationState:
     """Everything gemma4opt knows about one optimized model; lives at ``model._gemma4opt``. Every
@@ -86,6 +96,10 @@ class OptimizationState:
     head: TiedHeadWatch | None = None            # fp8 lm_head copy of a tied table: quantized again on edits
     gen_written: dict = field(default_factory=dict)   # generation-config fields optimize() set: (before, set)
     generating: int = 0                          # generate calls under way (nested: an assistant's)
+    # One generate or forward call at a time, per model: the paged step context, the decode graphs'
+    # static inputs and Dynamo's compiled entries are one per model, and calls from two threads
+    # interleaved on them gave wrong tokens or failed (HF's own model takes such calls).
+    calls: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
     direct: DirectDecode | None = None           # paged decode steps that skip Dynamo's entry (runtime/direct_decode.py)
     last_decode_call: tuple | None = None        # (graph, inputs, outputs) of the last replay, for ``direct``
     # Runtime.
@@ -245,8 +259,7 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits, 
         install_copying(model, edits, _optimize_again, _unpickled)
         return
 
-    dyn = torch._dynamo.config
-    dyn.recompile_limit = max(dyn.recompile_limit, _RECOMPILE_LIMIT)
+    _raise_recompile_limit()
     patterns = build_patterns(cfg.quantization, cfg.quantize_lm_head)
     paged = cfg.attention == "paged"
     enabled = [patterns[n] for n in cfg.enabled_patterns()
@@ -457,13 +470,14 @@ def _install_generate_checks(model, state, edits: InstanceEdits) -> None:
             ids = kwargs.get("inputs_embeds")
         if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] == 0:
             _no_tokens(ids)
-        if _watch_edits(model, state):
-            return model.generate(*args, **kwargs)    # optimized again: its new generate
-        state.generating += 1           # its forward calls skip the checks (runtime/weight_watch.py)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            state.generating -= 1
+        with state.calls:
+            if _watch_edits(model, state):
+                return model.generate(*args, **kwargs)    # optimized again: its new generate
+            state.generating += 1           # its forward calls skip the checks (runtime/weight_watch.py)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                state.generating -= 1
 
     edits.set(model, "generate", generate)
 
@@ -489,7 +503,8 @@ def _make_forward(model, target, state: OptimizationState):
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        with active(state.op_state):    # the ops read this model's picks and experts modules
+        with state.calls, active(state.op_state):    # the ops read this model's picks and experts modules
+            _raise_recompile_limit()
             return _dispatch(*args, **kwargs)
 
     def _dispatch(*args, **kwargs):
