@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import warnings
 
+import torch
+
 
 def cache_of(kwargs):
     """The KV cache (transformers >= 5.20 calls it ``cache``, earlier ``past_key_values``)."""
@@ -34,7 +36,6 @@ def generation_config_of(model, kwargs):
     return gen
 
 
-
 MASK_GAP = "an attention_mask with a 0 after a 1 in a row (right padding or a gap between tokens; paged takes left padding)"
 
 
@@ -42,9 +43,8 @@ def mask_gap_rows(mask) -> list[int]:
     """The rows of a 2-D attention mask that are not left padding: a 0 after the row's first 1 (right
     padding, or a gap between its tokens). The paged cache keeps a row's real tokens back to back and
     drops the masked ones, where HF keeps every slot, masked or not, in its cache and its sliding
-    window: such a row's tokens would differ from HF's. Read on the host (one copy of the mask)."""
-    import torch
-
+    window: such a row's tokens would differ from HF's. Read on the host (one copy of the mask); a
+    PagedCache's step refuses such a mask (paged/step.py), a new generate call runs HF's path."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[1] < 2:
         return []
     m = mask.detach().to("cpu") != 0

@@ -55,11 +55,6 @@ def install_paged(model, target, state, device, dtype, edits) -> None:
                 if changed:
                     raise ValueError(f"gemma4opt: {changed}, so this PagedCache (made before) no longer fits the "
                                      "model; start a new generate call without it")
-                gaps = mask_gap_rows(generate_mask(model, args, kwargs))
-                if gaps:
-                    raise ValueError(f"gemma4opt: attention_mask rows {gaps[:8]} hold a 0 after a 1 (right padding or "
-                                     "a gap between tokens), which this PagedCache cannot continue as HF would: it "
-                                     "keeps left padding only; pad on the left, or start a new call without the cache")
                 check_generate_limits(ctx, model, args, kwargs, given)
                 with generating(state):
                     return original_generate(*args, **kwargs)
