@@ -157,6 +157,33 @@ def _unrecognized_config(text_config) -> str | None:
     return None
 
 
+def _placement_reason(model: torch.nn.Module) -> str | None:
+    """A reason when the model's weights do not all sit on one device. accelerate's dispatch (a
+    device_map over several devices, or offloading to CPU or disk) hooks modules to move weights and
+    activations at each call; the fused graph would bypass those hooks (under Dynamo they fail), and
+    one KV pool, merged weights and CUDA graphs need one device."""
+    hooked = [name or "the model" for name, m in model.named_modules() if hasattr(m, "_hf_hook")]
+    if hooked:
+        where = f"hooks on {len(hooked)} modules, e.g. {hooked[0]!r}"
+        return (f"its modules are dispatched by accelerate ({where}: a device_map over several devices or with "
+                "offloading); gemma4opt fuses a model whose weights all sit on one device: load it with one "
+                "device (device_map='cuda'), or split it over GPUs with Gemma4OptConfig(tensor_parallel=True) "
+                "under torchrun")
+    devices = sorted({str(t.device) for t in itertools.chain(model.parameters(), model.buffers())})
+    if len(devices) > 1:
+        return (f"its parameters and buffers sit on several devices ({', '.join(devices)}); gemma4opt fuses a "
+                "model whose weights all sit on one device: move it to one (model.to('cuda'))")
+    return None
+
+
+def _leave_hf(model, state: OptimizationState, reason: str, edits: InstanceEdits) -> None:
+    """The model stays HF's, with the reason in its report."""
+    state.disabled_reason = reason
+    warnings.warn(f"gemma4opt: {reason}; the model runs HF's unfused path", stacklevel=4)
+    edits.set(model, "_gemma4opt", state)
+    install_copying(model, edits, _optimize_again, _unpickled)
+
+
 def _fallback_reason(module: torch.nn.Module, kwargs: dict) -> str | None:
     if module.training:
         return "training mode"
@@ -229,6 +256,13 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits, 
     dtype = next(model.parameters()).dtype
     own_configs(model, edits, configs)   # first: everything below writes to the model's own copies
     text_config = model.config.get_text_config()
+    placement = _placement_reason(model)
+    if placement is not None:        # before the mode is chosen: that reads one device for the whole model
+        state = OptimizationState(user_config, type(model).__name__,
+                                  "causal_lm" if target is model else "text_model", text_config)
+        state.user_config, state.mode_reason, state.edits = user_config, "not optimized", edits
+        _leave_hf(model, state, placement, edits)
+        return
     if user_config.attention == "auto":
         attention, mode_reason = choose_attention(device.type, dtype, text_config, user_config.kv_cache_dtype)
         cfg = dataclasses.replace(user_config, attention=attention).resolve(device.type, dtype, text_config)
@@ -253,10 +287,7 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits, 
 
     reason = _unrecognized_config(text_config)
     if reason is not None:
-        state.disabled_reason = reason
-        warnings.warn(f"gemma4opt: {reason}; the model runs HF's unfused path", stacklevel=3)
-        edits.set(model, "_gemma4opt", state)
-        install_copying(model, edits, _optimize_again, _unpickled)
+        _leave_hf(model, state, reason, edits)
         return
 
     _raise_recompile_limit()

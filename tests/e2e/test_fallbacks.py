@@ -4,7 +4,7 @@ import torch
 
 import gemma4opt
 from gemma4opt import Gemma4OptConfig
-from tests.models import prompt, tiny
+from tests.models import greedy, prompt, tiny
 
 
 def test_output_attentions_falls_back():
@@ -43,6 +43,30 @@ def test_unrecognized_config_disables_and_reports():
     with torch.no_grad():
         model(prompt(1, 4))
     assert "NOT OPTIMIZED" in str(rep)
+
+
+def test_a_model_dispatched_by_accelerate_runs_hfs_path_with_hfs_tokens():
+    """A device_map over several devices or with offloading hooks modules (accelerate): before, the
+    fused graph met those hooks at the first call and Dynamo stopped with an unrelated error."""
+    from accelerate import cpu_offload
+
+    model, ids = tiny(), prompt(1, 9)
+    want = greedy(model, ids, new=4)
+    cpu_offload(model, execution_device=torch.device("cpu"))        # weights on meta, loaded per call
+    with pytest.warns(UserWarning, match="dispatched by accelerate .*hooks on .* modules.*unfused path"):
+        gemma4opt.optimize(model)
+    assert torch.equal(greedy(model, ids, new=4), want)
+    rep = gemma4opt.report(model, print_table=False)
+    assert "dispatched by accelerate" in rep.disabled_reason and rep.compiled_calls == 0
+
+
+def test_a_model_on_several_devices_runs_hfs_path():
+    model = tiny()
+    model.model.layers[1].to("meta")
+    with pytest.warns(UserWarning, match=r"several devices \(cpu, meta\)"):
+        gemma4opt.optimize(model)
+    assert "several devices" in gemma4opt.report(model, print_table=False).disabled_reason
+    assert model.forward == type(model).forward.__get__(model)      # HF's forward, not wrapped
 
 
 def test_other_models_raise_type_error_naming_class():
@@ -102,7 +126,7 @@ class Spy:          # sees every import attempt, also one whose ImportError is c
 
 sys.meta_path.insert(0, Spy())
 import torch, gemma4opt
-from tests.models import prompt, tiny
+from tests.models import greedy, prompt, tiny
 for cfg in (None, gemma4opt.Gemma4OptConfig(attention="paged", page_size=4, max_seq_len=64, max_batch_size=2)):
     model = gemma4opt.optimize(tiny(), cfg)
     with torch.no_grad():
