@@ -169,10 +169,10 @@ def _placement_reason(model: torch.nn.Module) -> str | None:
                 "offloading); gemma4opt fuses a model whose weights all sit on one device: load it with one "
                 "device (device_map='cuda'), or split it over GPUs with Gemma4OptConfig(tensor_parallel=True) "
                 "under torchrun")
-    devices = sorted({str(t.device) for t in itertools.chain(model.parameters(), model.buffers())})
+    devices = sorted({str(p.device) for p in model.parameters()})
     if len(devices) > 1:
-        return (f"its parameters and buffers sit on several devices ({', '.join(devices)}); gemma4opt fuses a "
-                "model whose weights all sit on one device: move it to one (model.to('cuda'))")
+        return (f"its parameters sit on several devices ({', '.join(devices)}); gemma4opt fuses a model whose "
+                "weights all sit on one device: move it to one (model.to('cuda'))")
     return None
 
 
