@@ -126,7 +126,7 @@ class Spy:          # sees every import attempt, also one whose ImportError is c
 
 sys.meta_path.insert(0, Spy())
 import torch, gemma4opt
-from tests.models import greedy, prompt, tiny
+from tests.models import prompt, tiny
 for cfg in (None, gemma4opt.Gemma4OptConfig(attention="paged", page_size=4, max_seq_len=64, max_batch_size=2)):
     model = gemma4opt.optimize(tiny(), cfg)
     with torch.no_grad():
