@@ -10,8 +10,7 @@ what gemma4opt's decode graphs run), ``decode``
 (BatchDecodeWithPagedKVCacheWrapper on CUDA cores) and ``decode-tc`` (the same with tensor
 cores), and ``triton``: gemma4opt's own split-KV decode kernel (kernels/paged_decode.py, what
 decode steps run by default; no plan; ``triton-bN-wW-sS[-rR]`` tries another BLOCK_N / warps / stages / register cap,
-``-f16`` fp16 dots over an fp8 pool, ``-v8`` its v tile staged in fp8, ``-q8`` its QK dots in e4m3 on split
-queries, transposed (the kernel's FP8_DOTS); ``-r0`` no register cap).
+``-f16`` fp16 dots over an fp8 pool, ``-v8`` its v tile staged in fp8).
 Each is timed as a CUDA graph of 20 runs (no launch or Python overhead), and the KV bytes
 a step must read (window-limited) over that time is compared with the measured copy bandwidth.
 
@@ -83,12 +82,11 @@ def run_case(kind, variant, batch, context, workspace, bw, reps=20, split="auto"
         lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         cfg = None
-        if variant != "triton":         # triton-bN-wW-sS[-rR][-f16][-v8][-q8], triton-f16
+        if variant != "triton":         # triton-bN-wW-sS[-rR][-f16][-v8], triton-f16
             keys = dict(b="block_n", w="num_warps", s="num_stages", r="maxnreg")
             parts = variant.split("-")[1:]
-            cfg = {keys[x[0]]: int(x[1:]) for x in parts if x not in ("f16", "v8", "q8")}
+            cfg = {keys[x[0]]: int(x[1:]) for x in parts if x not in ("f16", "v8")}
             cfg["f16"] = "f16" in parts
-            cfg["fp8_dots"] = "q8" in parts
             cfg["v_wide"] = "v8" not in parts      # -v8: v staged in fp8 (see the kernel's V_WIDE)
         kv_scale = torch.ones(2, dtype=torch.float32, device="cuda") if fp8 else None
         return _time(lambda: paged_decode_triton(q, kv, table, lens, window=window or 0, scale=1.0, num_sms=sms,
@@ -137,8 +135,7 @@ def main(argv=None):
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     ap.add_argument("--variants", nargs="+", default=["prefill", "decode", "decode-tc"],
                     help="prefill fa2 decode decode-tc triton, or triton-bN-wW-sS (BLOCK_N, warps, stages); "
-                         "-rR: a register cap (-r0: none); -f16: an fp8 pool's dots in fp16; -v8: its v tile staged in fp8; "
-                         "-q8: its QK dots in e4m3, transposed")
+                         "-rR: a register cap; -f16: an fp8 pool's dots in fp16; -v8: its v tile staged in fp8")
     ap.add_argument("--split", nargs="+", default=["auto"], help="fa2 only: auto or cN (N chunks per sequence)")
     ap.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8"],
                     help="the pool's dtype; fp8 (e4m3, scale 1) runs the triton variants only")

@@ -3,7 +3,6 @@
     python benchmarks/sass_decode_attention.py                        # the 31b's sliding layer, fp8 pool
     python benchmarks/sass_decode_attention.py --head-dim 512 --group 8 --block-n 64 --warps 8
     python benchmarks/sass_decode_attention.py --v-staged-fp8         # v staged in fp8 (the kernel's V_WIDE off)
-    python benchmarks/sass_decode_attention.py --fp8-dots --block-n 64 --maxnreg 0   # e4m3 QK dots (FP8_DOTS)
 
 Triton compiles kernels/paged_decode.py's split kernel for an H100/H200 target (ptxas and cuobjdump
 ship with Triton's wheel; no driver is needed), with the launch configuration that
@@ -51,7 +50,7 @@ def compile_split_kernel(head_dim: int, group: int, fp8: bool = True, config: di
            "scale": "fp32"}
     const = dict(GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, PS=page_size,
                  BLOCK_N=cfg["block_n"], NSPLIT=splits, TOKENS=1, COMPILED=True, IEEE=False, FP8=fp8,
-                 F16=bool(cfg.get("f16")) and fp8, V_WIDE=v_wide, PDL=pdl, FP8_DOTS=bool(cfg.get("fp8_dots")) and fp8,
+                 F16=bool(cfg.get("f16")) and fp8, V_WIDE=v_wide, PDL=pdl,
                  # flags of older versions, since removed, off: reads before the PDL wait (EARLY), the
                  # merge in the split kernel (MERGE, its counters CNT, S_PAD and BLOCK_D with it)
                  EARLY=False, MERGE=False, S_PAD=triton.next_power_of_2(splits), BLOCK_D=min(head_dim, 64))
@@ -128,7 +127,6 @@ def main(argv=None):
     ap.add_argument("--stages", type=int)
     ap.add_argument("--maxnreg", type=int)
     ap.add_argument("--v-staged-fp8", action="store_true", help="the kernel's V_WIDE off")
-    ap.add_argument("--fp8-dots", action="store_true", help="the kernel's FP8_DOTS on (e4m3 QK dots, transposed)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = ap.parse_args(argv)
@@ -136,8 +134,6 @@ def main(argv=None):
         raise SystemExit("sass_decode_attention: unset TRITON_INTERPRET (it compiles the kernel, not interprets it)")
     config = {k: v for k, v in dict(block_n=args.block_n, num_warps=args.warps, num_stages=args.stages,
                                     maxnreg=args.maxnreg).items() if v is not None}
-    if args.fp8_dots:
-        config["fp8_dots"] = True
     d = describe(args.head_dim, args.group, args.kv_dtype == "fp8", config, not args.v_staged_fp8, args.rows)
     if args.json:
         print(json.dumps({**d, "opcodes": dict(d["opcodes"])}))

@@ -35,7 +35,6 @@ import triton
 import triton.language as tl
 
 from gemma4opt.kernels._util import COMPILED as _COMPILED, pdl_flags, pdl_prologue
-from gemma4opt.kernels.fp8_quant import fp8_round_to_grid
 
 MAX_SPLITS = 64
 # Triton's interpreter (CPU tests) cannot take loaded values as range() bounds and multiplies
@@ -94,61 +93,14 @@ def _attend(q, k, v, tmask, scale, m_i, l_i, acc, COMPILED: tl.constexpr, IEEE: 
 
 
 @triton.jit
-def _split_q_e4m3(q, COMPILED: tl.constexpr):
-    """bf16 queries [G, D] as two e4m3 tiles, hi + lo / 16, both scaled by a power of two per row
-    (returned: the scores are divided by it) that takes the row's largest element into [128, 256).
-    hi holds a value's first 4 significant bits, lo the next 4, so a bf16 value (8 bits) is exact
-    unless it is below 2^-13 of its row's largest (e4m3's subnormals), where up to 2^-16 of that
-    largest is lost. The exponents are read from the bits: no log2 rounding."""
-    qf = q.to(tl.float32)
-    amax = tl.max(tl.abs(qf), 1)
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    e = tl.where(amax > 0, e, 0)
-    sq = ((134 - e) << 23).to(tl.float32, bitcast=True)        # 2^(7 - e)
-    qs = qf * sq[:, None]
-    hi = qs
-    if not COMPILED:        # the interpreter's fp32 -> e4m3 conversion rounds wrongly (kernels/fp8_quant.py)
-        hi = fp8_round_to_grid(hi)
-    hi = hi.to(tl.float8e4nv)
-    lo = (qs - hi.to(tl.float32)) * 16.0
-    if not COMPILED:
-        lo = fp8_round_to_grid(lo)
-    return hi, lo.to(tl.float8e4nv), sq
-
-
-@triton.jit
-def _attend_fp8_dots(hi, lo, k, v, tmask, scale, m_i, l_i, acc_t, COMPILED: tl.constexpr):
-    """``_attend`` with e4m3 QK dots over an fp8 pool, transposed: s^T = K hi^T + K lo^T / 16 and
-    acc^T += V^T P^T, so that the token and head_dim sides (multiples of 64) are the MMAs' M and
-    Triton emits Hopper's wgmma, the only MMA that takes e4m3 natively on sm_90 (mma.sync dots over
-    fp8 are widened to fp16 first, ``_attend``'s conversions). ``scale`` [G] holds each row's power of two."""
-    v = v.to(tl.float16)
-    if not COMPILED:
-        hi, lo, k, v = hi.to(tl.float32), lo.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
-    st = (tl.dot(k, tl.trans(hi)) + tl.dot(k, tl.trans(lo)) * 0.0625) * scale[None, :]
-    st = tl.where(tmask[:, None], st, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(st, 0))
-    alpha = tl.exp(m_i - m_new)
-    pt = tl.exp(st - m_new[None, :])
-    l_i = l_i * alpha + tl.sum(pt, 0)
-    acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), pt.to(v.dtype))
-    return m_new, l_i, acc_t
-
-
-@triton.jit
-def _tile(q, ql, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, scale, m_i, l_i, acc, d,
+def _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, scale, m_i, l_i, acc, d,
           PS: tl.constexpr, BLOCK_N: tl.constexpr, COMPILED: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
-          V_WIDE: tl.constexpr, FP8_DOTS: tl.constexpr):
-    """One BLOCK_N-token tile of the online softmax, loaded and attended (FP8_DOTS: q is the split
-    queries' hi, ql their lo, acc transposed)."""
+          V_WIDE: tl.constexpr):
+    """One BLOCK_N-token tile of the online softmax, loaded and attended."""
     t = t0 + tl.arange(0, BLOCK_N)
     tmask = t < end
     k, v = _load_kv(KV, _kv_rows(TABLE, row_base, ring, t, tmask, kh, s_page, s_tok, s_head, PS), tmask, s_kv, d)
-    if FP8_DOTS:
-        m_i, l_i, acc = _attend_fp8_dots(q, ql, k, v, tmask, scale, m_i, l_i, acc, COMPILED)
-    else:
-        m_i, l_i, acc = _attend(q, k, v, tmask, scale, m_i, l_i, acc, COMPILED, IEEE, FP8, V_WIDE)
-    return m_i, l_i, acc
+    return _attend(q, k, v, tmask, scale, m_i, l_i, acc, COMPILED, IEEE, FP8, V_WIDE)
 
 
 @triton.jit
@@ -158,7 +110,7 @@ def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
                          BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, TOKENS: tl.constexpr, COMPILED: tl.constexpr,
                          IEEE: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr, V_WIDE: tl.constexpr,
-                         PDL: tl.constexpr, FP8_DOTS: tl.constexpr = False):
+                         PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -183,29 +135,21 @@ def _decode_split_kernel(Q, KV, KV_SCALE, TABLE, LENS, O, OP, LSE,
     gmask = g < GROUP
     heads = kh * GROUP + g
     q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=gmask[:, None], other=0.0)
-    ql = q
-    if FP8_DOTS:
-        q, ql, sq = _split_q_e4m3(q, COMPILED)
-        qk_scale = qk_scale / sq
-        acc = tl.zeros([D, G_PAD], tl.float32)
-    else:
-        if F16:         # fp8 pages into bf16 dots: e4m3 -> fp16 is one instruction, -> bf16 three
-            q = q.to(tl.float16)
-        acc = tl.zeros([G_PAD, D], tl.float32)
+    if F16:         # fp8 pages into bf16 dots: e4m3 -> fp16 is one instruction, -> bf16 three
+        q = q.to(tl.float16)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
     t0 = start
     if COMPILED:
         for t1 in range(t0, end, BLOCK_N):
-            m_i, l_i, acc = _tile(q, ql, KV, TABLE, row_base, ring, t1, end, kh, s_page, s_kv, s_tok, s_head, qk_scale,
-                                  m_i, l_i, acc, d, PS, BLOCK_N, COMPILED, IEEE, FP8, V_WIDE, FP8_DOTS)
+            m_i, l_i, acc = _tile(q, KV, TABLE, row_base, ring, t1, end, kh, s_page, s_kv, s_tok, s_head, qk_scale,
+                                  m_i, l_i, acc, d, PS, BLOCK_N, COMPILED, IEEE, FP8, V_WIDE)
     else:
         while t0 < end:
-            m_i, l_i, acc = _tile(q, ql, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, qk_scale,
-                                  m_i, l_i, acc, d, PS, BLOCK_N, COMPILED, IEEE, FP8, V_WIDE, FP8_DOTS)
+            m_i, l_i, acc = _tile(q, KV, TABLE, row_base, ring, t0, end, kh, s_page, s_kv, s_tok, s_head, qk_scale,
+                                  m_i, l_i, acc, d, PS, BLOCK_N, COMPILED, IEEE, FP8, V_WIDE)
             t0 += BLOCK_N
-    if FP8_DOTS:
-        acc = tl.trans(acc)
     empty = l_i == 0.0              # a split past the end (or a chunk with nothing visible)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     if FP8:         # v's scale: on the (partial) output, which the merge combines linearly
@@ -306,9 +250,6 @@ def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, 
     # RMS-normalized per head, |q| ~ sqrt(head_dim) x q_norm's weight; p in [0, 1] is rounded finer
     # than in bf16).
     f16 = bool(cfg.get("f16", False)) and fp8 and q.dtype == torch.bfloat16
-    # fp8_dots: bf16 queries split into two e4m3 tiles (exact but for elements below 2^-13 of their
-    # row's largest, see _split_q_e4m3) for e4m3 QK dots; fp16 and fp32 queries carry more bits.
-    fp8_dots = bool(cfg.get("fp8_dots", False)) and fp8 and q.dtype == torch.bfloat16
     # Partial outputs and LSEs per split (one split writes ``out`` directly: placeholders then).
     shape = (B, H, n) if n > 1 else (1, 1, 1)
     part = torch.empty(*shape, D if n > 1 else 1, dtype=torch.float32, device=q.device)
@@ -320,7 +261,7 @@ def paged_decode_triton(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, 
         lse.stride(0), lse.stride(1), window, scale,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, PS=ps, BLOCK_N=cfg["block_n"], NSPLIT=n,
         TOKENS=tokens, COMPILED=_COMPILED, IEEE=q.dtype == torch.float32, FP8=fp8, F16=f16,
-        V_WIDE=bool(cfg.get("v_wide", True)), FP8_DOTS=fp8_dots, num_warps=cfg["num_warps"],
+        V_WIDE=bool(cfg.get("v_wide", True)), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         **pdl_flags(out))
