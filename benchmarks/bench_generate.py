@@ -207,6 +207,13 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      "gemma4opt-paged-fp8-kv8": dict(attention="paged", quantization="fp8", kv_cache_dtype="fp8")}
 
 
+# transformers' own FP8 path: the model as FineGrainedFP8Config loads it (presets.finegrained_fp8_, the lm_head
+# kept in bf16), its FP8Linear forward on the finegrained-fp8 Triton kernel (hf_fp8_kernel.py), run by HF
+# generate in eager or with HF static cache + torch.compile (as static_compile).
+HF_FP8_SYSTEMS = ("hf-fp8", "hf-fp8-static")
+STATIC_SYSTEMS = ("static_compile", "hf-fp8-static")
+
+
 HEADER = (f"{'batch':>5} {'system':>18} {'warm-up s':>9} {'TTFT ms':>9} {'ms/step':>9} {'tok/s':>9} "
           f"{'roofline':>9} {'vs eager':>9} {'vs static':>9} tokens==eager")
 
@@ -234,16 +241,24 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> bo
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     kw, sys_model = {}, model
-    if system == "static_compile":
+    last = i == len(args.systems) - 1
+    if system in STATIC_SYSTEMS:
         from transformers import CompileConfig
 
         cc = CompileConfig(fullgraph=True, mode="reduce-overhead")
         cc._compile_all_devices = True      # HF auto-compiles on CUDA only; benchmark CPU runs too
         kw = dict(cache_implementation="static", compile_config=cc)
+    if system in HF_FP8_SYSTEMS:       # a copy in fp8 (or the model itself, rebuilt after: as below)
+        import hf_fp8_kernel
+
+        hf_fp8_kernel.load(args.hf_fp8_kernel)
+        sys_model = model if last or args.rebuild else copy.deepcopy(model)
+        finegrained_fp8_(sys_model, (args.fp8_block, args.fp8_block), skip=("lm_head",))
+        roof = {b: (weight_bytes_per_step(sys_model, b) + kv_bytes_per_step(sys_model, b, args.prompt + args.new // 2))
+                / args.bandwidth * 1e3 for b in args.batch}
     if system in GEMMA4OPT_SYSTEMS:
         # optimize() changes the instance: when other systems still follow, optimize a copy, or, where
         # two copies do not fit the GPU (the 26b-a4b on an H100), the model itself, rebuilt after.
-        last = i == len(args.systems) - 1
         sys_model = model if last or args.rebuild else copy.deepcopy(model)
         opts = dict(GEMMA4OPT_SYSTEMS[system])
         set_pdl(opts.pop("pdl", PDL_DEFAULT))      # read at each launch: off for this system's whole run
@@ -297,12 +312,12 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> bo
         gemma4opt.report(sys_model)
         set_pdl(PDL_DEFAULT)
         set_decode_row_warps(None)
-    if sys_model is not model or system == "static_compile":
+    if sys_model is not model or system in STATIC_SYSTEMS:
         # Its copy of the weights, its KV pool or static cache and its CUDA graphs stay reachable
         # from Dynamo's caches until reset (at batch 128 x prompt 2048 the next system's prefill ran
         # out of memory otherwise); the next system's start collects and empties the cache.
         torch._dynamo.reset()
-    return system in GEMMA4OPT_SYSTEMS and sys_model is model and not last
+    return (system in GEMMA4OPT_SYSTEMS or system in HF_FP8_SYSTEMS) and sys_model is model and not last
 
 
 def _allocated_gib(device: str) -> float:
@@ -346,9 +361,12 @@ def main(argv=None):
                     help="optimize the model itself and rebuild it (same seed) for the systems after, instead of "
                          "optimizing a copy (default: where two copies of the weights would not fit the GPU)")
     ap.add_argument("--systems", nargs="+", default=["eager", "static_compile", "gemma4opt"],
-                    choices=["eager", "static_compile", *GEMMA4OPT_SYSTEMS])
+                    choices=["eager", "static_compile", *HF_FP8_SYSTEMS, *GEMMA4OPT_SYSTEMS])
     ap.add_argument("--fp8-block", type=int, default=128,
-                    help="gemma4opt-finegrained-fp8's weight_block_size (128; smaller for tiny presets)")
+                    help="gemma4opt-finegrained-fp8's and hf-fp8's weight_block_size (128; smaller for tiny presets)")
+    ap.add_argument("--hf-fp8-kernel", default=None,
+                    help="hf-fp8 / hf-fp8-static: the finegrained-fp8 kernel package (default .hfkernels/finegrained_fp8; "
+                         "see benchmarks/hf_fp8_kernel.py)")
     ap.add_argument("--json", default=None, help="append result rows to this JSON-lines file")
     ap.add_argument("--run", default=None, help="run id stamped on every row (default: date/time, preset, layers)")
     args = ap.parse_args(argv)
@@ -403,6 +421,12 @@ def main(argv=None):
             for row in rows:
                 if row["batch"] == b:
                     print(_line(row, results[b]))
+            hf8 = results[b].get("hf-fp8-static")
+            if hf8 is not None:      # the bar for fp8: transformers' own FP8 path, static cache + compile
+                print(f"# batch {b}, against HF's own FP8 path with static cache + torch.compile ("
+                      f"{hf8['ms_per_step']:.2f} ms/step): " + ", ".join(
+                          f"{s} {hf8['ms_per_step'] / r['ms_per_step']:.2f}x" for s, r in results[b].items()
+                          if s != "hf-fp8-static"))
     return rows
 
 

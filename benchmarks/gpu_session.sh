@@ -29,6 +29,9 @@
 #   verify     the kernel tests of defaults first run on an H100 (norm_linear, split K at one row, rope_cos_sin,
 #              the pipelined loops; 8 workers), then paged generate against eager; refresh-e2b / -e4b /
 #              -26b: one preset at batch 1 against eager and HF static + compile. Carry .ficache (see below).
+#   hf-fp8-e4b transformers' own FP8 path on the e4b at batch 1: its FineGrainedFP8 model, HF static cache + compile
+#              and eager, its finegrained-fp8 kernel loaded from .hfkernels/ (carry it; benchmarks/hf_fp8_kernel.py),
+#              beside gemma4opt's fp8 with and without the fp8 lm_head (limit 480 s).
 #   fp8-block-tests, fp8-block-e4b, fp8-block-26b  FineGrainedFP8 checkpoints: the block-scaled fp8 GEMM's
 #              and experts' tests on the GPU and optimized checkpoints against the reference path (300 s); the
 #              e4b at batch 1 against both baselines with gemma4opt bf16, per-channel fp8 and the checkpoint
@@ -565,6 +568,11 @@ for s in $(for a in "$@"; do parts "$a"; done); do
     # kernels hub).
     fp8-block-tests)
       stage fp8-block-tests 300 $PYTEST -s tests/gpu/test_gpu_fp8_block.py tests/kernels/test_fp8_block_linear_kernel.py ;;
+    hf-fp8-e4b)
+      # transformers' own FP8 path (FineGrainedFP8, its finegrained-fp8 Triton kernel from a carried .hfkernels/
+      # copy: benchmarks/hf_fp8_kernel.py) with HF static cache + compile and eager, beside gemma4opt's fp8.
+      stage hf-fp8-e4b 480 $GEN e4b --batch 1 --systems gemma4opt-fp8-head gemma4opt-fp8 hf-fp8-static hf-fp8 \
+            --json "$OUT/generate.jsonl" ;;
     fp8-block-e4b)
       stage fp8-block-e4b 400 $GEN e4b --batch 1 --systems eager static_compile gemma4opt gemma4opt-fp8 \
             gemma4opt-finegrained-fp8 --json "$OUT/generate.jsonl" ;;
@@ -707,6 +715,6 @@ for s in $(for a in "$@"; do parts "$a"; done); do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b, direct-decode, direct-e4b, direct-26b, layer-table, layer-table-e4b, layer-table-small, fp8-probe, probe-tables, freed)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b, direct-decode, direct-e4b, direct-26b, layer-table, layer-table-e4b, layer-table-small, fp8-probe, probe-tables, freed, hf-fp8-e4b)" ;;
   esac
 done
