@@ -41,7 +41,9 @@ SYSTEM_NAMES = {"eager": "HF eager", "static_compile": "HF static cache + torch.
                 "gemma4opt-fp8-head-merged-attn": "gemma4opt one-liner, fp8 weights and lm_head, attention merged in one launch",
                 "gemma4opt-no-rope": "gemma4opt one-liner, HF's rotary cos/sin ops (no rope_cos_sin)",
                 "gemma4opt-fp8-head-no-rope": "gemma4opt one-liner, fp8 weights and lm_head, HF's rotary cos/sin ops",
-                "gemma4opt-no-row-split": "gemma4opt one-liner, no split-K GEMM tiles at one row"}
+                "gemma4opt-no-row-split": "gemma4opt one-liner, no split-K GEMM tiles at one row",
+                "hf-fp8": "HF eager, transformers' FineGrainedFP8 model (its finegrained-fp8 kernel)",
+                "hf-fp8-static": "HF static cache + torch.compile, transformers' FineGrainedFP8 model"}
 
 
 def _rows(pattern):
@@ -104,6 +106,12 @@ def generate_section(rows):
                        f"{_pct(r['roofline_frac'])} | {_f(vs(static), '{:.2f}×')} | {_f(vs(eager), '{:.2f}×')} | {same} |"
                        + (f" {_f(r.get('graph_replay_ms'), '{:.2f}')} | "
                           f"{' / '.join(f'{t:.2f}' for t in r.get('ms_per_step_runs', ())) or '—'} |" if device else ""))
+        for r in sorted(rs, key=lambda r: (r["batch"], r["prompt"])):    # transformers' own FP8 path as the bar
+            if r["system"] == "hf-fp8-static":
+                others = [o for o in rs if (o["batch"], o["prompt"]) == (r["batch"], r["prompt"]) and o is not r]
+                out += ["", f"Against HF static cache + torch.compile on transformers' FineGrainedFP8 model (batch "
+                        f"{r['batch']}): " + ", ".join(f"{SYSTEM_NAMES.get(o['system'], o['system'])} "
+                                                      f"{r['ms_per_step'] / o['ms_per_step']:.2f}×" for o in others)]
         out.append("")
     return out
 
