@@ -571,8 +571,9 @@ for s in $(for a in "$@"; do parts "$a"; done); do
     hf-fp8-e4b)
       # transformers' own FP8 path (FineGrainedFP8, its finegrained-fp8 Triton kernel from a carried .hfkernels/
       # copy: benchmarks/hf_fp8_kernel.py) with HF static cache + compile and eager, beside gemma4opt's fp8.
-      # HF_FP8_SYSTEMS / HF_FP8_LIMIT: fewer systems and a shorter limit for a short device budget.
-      stage hf-fp8-e4b "${HF_FP8_LIMIT:-480}" $GEN e4b --batch 1 --systems \
+      # HF_FP8_SYSTEMS / HF_FP8_LIMIT / HF_FP8_ARGS (e.g. --layers 12): fewer systems, a shorter limit, a
+      # shallower model for a short device budget.
+      stage hf-fp8-e4b "${HF_FP8_LIMIT:-480}" $GEN e4b --batch 1 ${HF_FP8_ARGS:-} --systems \
             ${HF_FP8_SYSTEMS:-gemma4opt-fp8-head gemma4opt-fp8 hf-fp8-static hf-fp8} --json "$OUT/generate.jsonl" ;;
     fp8-block-e4b)
       stage fp8-block-e4b 400 $GEN e4b --batch 1 --systems eager static_compile gemma4opt gemma4opt-fp8 \
