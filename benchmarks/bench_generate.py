@@ -235,6 +235,12 @@ def _line(row, res) -> str:
             f"{row['tokens_equal_eager']}   (roofline {row['roofline_ms']:.2f} ms{kv})")
 
 
+def _roofline_ms(model, args, kv_elem=None) -> dict:
+    """Per batch: the ms one decode step's weight and KV bytes take at the measured copy bandwidth."""
+    return {b: (weight_bytes_per_step(model, b) + kv_bytes_per_step(model, b, args.prompt + args.new // 2, kv_elem))
+            / args.bandwidth * 1e3 for b in args.batch}
+
+
 def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> bool:
     """Measures one system; True where it optimized ``model`` itself and later systems need it rebuilt."""
     gc.collect()            # what the previous system held (and PyTorch cached) goes back to CUDA
@@ -248,18 +254,17 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> bo
         cc = CompileConfig(fullgraph=True, mode="reduce-overhead")
         cc._compile_all_devices = True      # HF auto-compiles on CUDA only; benchmark CPU runs too
         kw = dict(cache_implementation="static", compile_config=cc)
-    if system in HF_FP8_SYSTEMS:       # a copy in fp8 (or the model itself, rebuilt after: as below)
+    if system in GEMMA4OPT_SYSTEMS or system in HF_FP8_SYSTEMS:
+        # optimize() (or the fp8 swap) changes the instance: when other systems still follow, change a copy,
+        # or, where two copies do not fit the GPU (the 26b-a4b on an H100), the model itself, rebuilt after.
+        sys_model = model if last or args.rebuild else copy.deepcopy(model)
+    if system in HF_FP8_SYSTEMS:
         import hf_fp8_kernel
 
         hf_fp8_kernel.load(args.hf_fp8_kernel)
-        sys_model = model if last or args.rebuild else copy.deepcopy(model)
         finegrained_fp8_(sys_model, (args.fp8_block, args.fp8_block), skip=("lm_head",))
-        roof = {b: (weight_bytes_per_step(sys_model, b) + kv_bytes_per_step(sys_model, b, args.prompt + args.new // 2))
-                / args.bandwidth * 1e3 for b in args.batch}
+        roof = _roofline_ms(sys_model, args)
     if system in GEMMA4OPT_SYSTEMS:
-        # optimize() changes the instance: when other systems still follow, optimize a copy, or, where
-        # two copies do not fit the GPU (the 26b-a4b on an H100), the model itself, rebuilt after.
-        sys_model = model if last or args.rebuild else copy.deepcopy(model)
         opts = dict(GEMMA4OPT_SYSTEMS[system])
         set_pdl(opts.pop("pdl", PDL_DEFAULT))      # read at each launch: off for this system's whole run
         use_tiles(opts.pop("whole_k", True), opts.pop("narrow", True),      # read when a GEMM shape is first tuned
@@ -280,9 +285,7 @@ def _run_system(args, model, i, system, prompts, roof, rows, results, cfg) -> bo
             MARGINS.update(margins)
         if opts.get("quantization") or opts.get("kv_cache_dtype") or system == "gemma4opt-finegrained-fp8":
             # fewer bytes: its own roofline
-            kv_elem = 1 if opts.get("kv_cache_dtype") == "fp8" else None
-            roof = {b: (weight_bytes_per_step(sys_model, b) + kv_bytes_per_step(
-                sys_model, b, args.prompt + args.new // 2, kv_elem)) / args.bandwidth * 1e3 for b in args.batch}
+            roof = _roofline_ms(sys_model, args, 1 if opts.get("kv_cache_dtype") == "fp8" else None)
     for b in args.batch:
         runs, collector = [], []
         ttft, ms, out, warm = measure(sys_model, prompts[b], args.new, args.device, args.repeats, runs, collector,
@@ -387,8 +390,7 @@ def main(argv=None):
           f"{bw / 1e12:.2f} TB/s; prompt {args.prompt}, new {args.new}")
     g = torch.Generator().manual_seed(0)
     prompts = {b: torch.randint(3, cfg.vocab_size, (b, args.prompt), generator=g).to(args.device) for b in args.batch}
-    roof = {b: (weight_bytes_per_step(model, b) + kv_bytes_per_step(model, b, args.prompt + args.new // 2)) / bw * 1e3
-            for b in args.batch}
+    roof = _roofline_ms(model, args)
     args.run = args.run or time.strftime("%Y-%m-%d %H:%M/") + f"{args.preset}_l{cfg.num_hidden_layers}"
     args.machine = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     args.command = "python3 benchmarks/bench_generate.py " + " ".join(argv if argv is not None else sys.argv[1:])
