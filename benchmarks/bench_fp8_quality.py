@@ -19,6 +19,10 @@ router, PLE kept), over ``--batch x --seq`` random tokens (>= 512 positions):
   ``optimize(model)``: the block-scaled GEMM on the checkpoint's bytes, the anchor's scheme where
   the dims are whole blocks (transformers leaves a weight that is not in the model's dtype: the
   26b-a4b's dense MLP and experts' down at 128);
+- ``hf-fp8-kernel`` (not a default system; a GPU): the anchor's model as transformers' FineGrainedFP8
+  loading leaves it, run by transformers' own FP8Linear / FP8Experts forward on its finegrained-fp8
+  Triton kernel, loaded from a local copy of its source (hf_fp8_kernel.py, ``--hf-fp8-kernel``): the
+  real path where the emulation above stands in for it;
 - ``fp8-channel-weights-group-acts``, ``fp8-block-weights-token-acts``: the anchor with one side in
   gemma4opt's scheme (not default systems): which side a difference between the two comes from.
 Per system: the mean KL(p_ref || p_fp8) over positions and the top-1 agreement with the reference.
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 import time
 
@@ -38,6 +43,8 @@ from gemma4opt.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_MIN
 from gemma4opt.ops.fp8_weights import QUANTIZED_BLOCKS, quantize_linears
 from gemma4opt.presets import ALL_PRESETS, build_model, finegrained_fp8_
 
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # hf_fp8_kernel, beside this script
 
 ANCHOR = "hf-finegrained-fp8"      # measured first (the default order): later rows say how far from it
 
@@ -155,9 +162,11 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--systems", nargs="+", default=["hf-finegrained-fp8", "fp8-reference", "gemma4opt-fp8"],
                     choices=["hf-finegrained-fp8", "fp8-reference", "gemma4opt-fp8", "gemma4opt-fp8-head",
-                             "gemma4opt-finegrained-fp8", *MIXED])
+                             "gemma4opt-finegrained-fp8", "hf-fp8-kernel", *MIXED])
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                     help="the reference model's dtype (default: bfloat16 on CUDA, float32 elsewhere)")
+    ap.add_argument("--hf-fp8-kernel", default=None,
+                    help="hf-fp8-kernel: the finegrained-fp8 kernel package (default .hfkernels/finegrained_fp8)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--run", default=None)
     args = ap.parse_args(argv)
@@ -182,6 +191,11 @@ def main(argv=None):
         elif system == "gemma4opt-finegrained-fp8":
             finegrained_fp8_(m, (args.block, args.block), skip=("lm_head",))
             gemma4opt.optimize(m)
+        elif system == "hf-fp8-kernel":
+            import hf_fp8_kernel
+
+            hf_fp8_kernel.load(args.hf_fp8_kernel)
+            finegrained_fp8_(m, (args.block, args.block), skip=("lm_head",))
         elif system == "fp8-reference":
             quantize_linears(m)
         else:

@@ -177,6 +177,9 @@
 #              batch 1 fp8 (200 s); the GPU's clocks before and after.
 #   fp8-quality-paired  bench_fp8_quality.py on the GPU: the e4b and 26b-a4b at full depth, the 31b x 12, 2048
 #              positions, KL against the anchor's paired by position (200 / 200 / 120 s).
+#   fp8-quality-hf-kernel  the same on transformers' real FP8 path (hf-fp8-kernel: its FP8Linear forward on the
+#              finegrained-fp8 kernel from a carried .hfkernels/) beside the emulated anchor and gemma4opt's fp8:
+#              the 31b x 12, then the e4b at full depth (150 / 230 s).
 #   host       profile_host.py: the host's time per decode step (2-layer e2b, and the e2b at full depth;
 #              2-layer 26b-a4b with fp8 weights and lm_head; limits 240 / 200 s).
 #   profile    profile_decode.py on the 31b x 12, paged mode, batch 1 and 32: device time per decode
@@ -509,6 +512,11 @@ for s in $(for a in "$@"; do parts "$a"; done); do
       done
       stage fp8-quality-31b 120 python3 benchmarks/bench_fp8_quality.py --preset 31b --layers 12 --batch 8 --seq 256 \
             --systems hf-finegrained-fp8 gemma4opt-fp8 gemma4opt-fp8-head --json "$OUT/fp8_quality.jsonl" ;;
+    fp8-quality-hf-kernel)
+      stage fp8-quality-hf-31b 150 python3 benchmarks/bench_fp8_quality.py --preset 31b --layers 12 --batch 8 --seq 256 \
+            --systems hf-finegrained-fp8 hf-fp8-kernel gemma4opt-fp8 gemma4opt-fp8-head --json "$OUT/fp8_quality.jsonl"
+      stage fp8-quality-hf-e4b 230 python3 benchmarks/bench_fp8_quality.py --preset e4b --batch 8 --seq 256 \
+            --systems hf-finegrained-fp8 hf-fp8-kernel gemma4opt-fp8 --json "$OUT/fp8_quality.jsonl" ;;
     step-share)
       CLOCKS="nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv"
       stage step-share-clocks 20 $CLOCKS
