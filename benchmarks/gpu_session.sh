@@ -31,7 +31,9 @@
 #              -26b: one preset at batch 1 against eager and HF static + compile. Carry .ficache (see below).
 #   hf-fp8-e4b transformers' own FP8 path on the e4b at batch 1: its FineGrainedFP8 model, HF static cache + compile
 #              and eager, its finegrained-fp8 kernel loaded from .hfkernels/ (carry it; benchmarks/hf_fp8_kernel.py),
-#              beside gemma4opt's fp8 with and without the fp8 lm_head (limit 480 s).
+#              beside gemma4opt's fp8 with and without the fp8 lm_head (limit 480 s). hf-fp8-26b: the same path
+#              on the 26b-a4b in 64 x 64 blocks (at 128 its experts kernel refuses the experts' K of 704), HF static
+#              + compile last, beside gemma4opt's fp8 + lm_head and bf16; the model rebuilt between systems (560 s).
 #   fp8-block-tests, fp8-block-e4b, fp8-block-26b  FineGrainedFP8 checkpoints: the block-scaled fp8 GEMM's
 #              and experts' tests on the GPU and optimized checkpoints against the reference path (300 s); the
 #              e4b at batch 1 against both baselines with gemma4opt bf16, per-channel fp8 and the checkpoint
@@ -583,6 +585,9 @@ for s in $(for a in "$@"; do parts "$a"; done); do
       # shallower model for a short device budget.
       stage hf-fp8-e4b "${HF_FP8_LIMIT:-480}" $GEN e4b --batch 1 ${HF_FP8_ARGS:-} --systems \
             ${HF_FP8_SYSTEMS:-gemma4opt-fp8-head gemma4opt-fp8 hf-fp8-static hf-fp8} --json "$OUT/generate.jsonl" ;;
+    hf-fp8-26b)
+      stage hf-fp8-26b "${HF_FP8_LIMIT:-560}" $GEN 26b-a4b --batch 1 --rebuild --fp8-block 64 ${HF_FP8_ARGS:-} \
+            --systems ${HF_FP8_SYSTEMS:-gemma4opt-fp8-head gemma4opt hf-fp8-static} --json "$OUT/generate.jsonl" ;;
     fp8-block-e4b)
       stage fp8-block-e4b 400 $GEN e4b --batch 1 --systems eager static_compile gemma4opt gemma4opt-fp8 \
             gemma4opt-finegrained-fp8 --json "$OUT/generate.jsonl" ;;
