@@ -4,6 +4,8 @@ import importlib.util
 import json
 import os
 
+from tests.test_bench_hf_fp8 import hf_kernel_slot, stand_in_kernel  # noqa: F401  (fixtures)
+
 _PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_fp8_quality.py")
 
 
@@ -88,24 +90,14 @@ def test_a_finegrained_checkpoint_run_by_gemma4opt_measures_as_the_anchor():
     assert abs(ours["kl_vs_anchor"]) < 0.01 and abs(ours["top1"] - anchor["top1"]) <= 1 / 64
 
 
-def test_hf_fp8_kernel_runs_transformers_forward_on_the_loaded_kernel(tmp_path, monkeypatch):
+def test_hf_fp8_kernel_runs_transformers_forward_on_the_loaded_kernel(stand_in_kernel):
     """hf-fp8-kernel: transformers' FineGrainedFP8 model on the kernel package given, here a stand-in
     running the block-scaled reference (the real kernel is Triton for a GPU). transformers' quantizer
     and forward then compute the emulated anchor's scheme: the same KL, up to fp32 summation order."""
     import sys
-    import textwrap
 
-    from transformers.integrations import finegrained_fp8
-
-    from tests.test_bench_hf_fp8 import _STAND_IN
-
-    monkeypatch.setattr(finegrained_fp8, "_FINEGRAINED_FP8", finegrained_fp8._FINEGRAINED_FP8)
-    monkeypatch.setenv("TRANSFORMERS_DISABLE_DEEPGEMM_LINEAR", "0")
-    pkg = tmp_path / "finegrained_fp8"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text(textwrap.dedent(_STAND_IN))
-    rows = _main(["--preset", "tiny", "--seq", "32", "--block", "32", "--device", "cpu", "--hf-fp8-kernel", str(pkg),
-                  "--systems", "hf-finegrained-fp8", "hf-fp8-kernel"])
+    rows = _main(["--preset", "tiny", "--seq", "32", "--block", "32", "--device", "cpu",
+                  "--hf-fp8-kernel", str(stand_in_kernel), "--systems", "hf-finegrained-fp8", "hf-fp8-kernel"])
     calls = sys.modules["finegrained_fp8_local"].CALLS
     assert calls and all(block == (32, 32) for _, _, block in calls)
     anchor, real = rows

@@ -38,10 +38,17 @@ def hf_kernel_slot(monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_DISABLE_DEEPGEMM_LINEAR", "0")
 
 
-def test_hf_fp8_runs_transformers_fp8_linears_on_the_loaded_kernel(tmp_path, hf_kernel_slot):
+@pytest.fixture
+def stand_in_kernel(tmp_path, hf_kernel_slot):
+    """The path of a finegrained_fp8 package holding the stand-in above."""
     pkg = tmp_path / "finegrained_fp8"
     pkg.mkdir()
     (pkg / "__init__.py").write_text(textwrap.dedent(_STAND_IN))
+    return pkg
+
+
+def test_hf_fp8_runs_transformers_fp8_linears_on_the_loaded_kernel(stand_in_kernel):
+    pkg = stand_in_kernel
     bench = _bench()
     rows = bench.main(["--preset", "tiny", "--prompt", "6", "--new", "4", "--repeats", "1", "--device", "cpu",
                        "--fp8-block", "16", "--hf-fp8-kernel", str(pkg), "--systems", "eager", "hf-fp8"])
