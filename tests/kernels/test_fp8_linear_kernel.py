@@ -41,16 +41,12 @@ from triton.compiler import ASTSource
 from gemma4opt.kernels.fp8_linear import _fp8_linear_kernel
 sig = dict(X="*fp8e4nv", XS="*fp32", W="*fp8e4nv", WS="*fp32", Y="*bf16", P="*fp32", M="i32", N="i32", K="i32",
            sxm="i32", swn="i32", sym="i32", ROWS="i32")
-consts = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, COMPILED=True, SWAP=True, PDL=False, CAP=0.0)
+consts = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, COMPILED=True, SWAP=True, PDL=False, CAP=0.0, PIPE=0)
 sig.update({k: "constexpr" for k in consts})
-try:
-    kernel = triton.compile(ASTSource(fn=_fp8_linear_kernel, signature=sig, constexprs=consts),
-                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
-except Exception as e:
-    print("SKIP", type(e).__name__, e)
-else:
-    ptx = kernel.asm["ptx"]
-    print(len(re.findall(r"wgmma\\.mma_async\\.\\S*e4m3\\.e4m3", ptx)), len(re.findall(r"add\\.f32", ptx)))
+kernel = triton.compile(ASTSource(fn=_fp8_linear_kernel, signature=sig, constexprs=consts),
+                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
+ptx = kernel.asm["ptx"]
+print(len(re.findall(r"wgmma\\.mma_async\\.\\S*e4m3\\.e4m3", ptx)), len(re.findall(r"add\\.f32", ptx)))
 """
 
 
@@ -63,9 +59,11 @@ def test_compiled_for_sm90_the_fp8_dot_is_wgmma_promoted_per_instruction():
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, timeout=300)
+    # Only a Triton without its bundled ptxas cannot build the cubin here (as test_compiles_for_sm90.py);
+    # any other error (a constexpr the kernel gained and this signature lacks) fails the test.
+    if out.returncode and "No such file" in out.stderr and "ptxas" in out.stderr:
+        pytest.skip("this triton has no bundled ptxas")
     assert out.returncode == 0, out.stderr[-2000:]
-    if out.stdout.startswith("SKIP"):
-        pytest.skip(f"Triton cannot compile for sm_90 here: {out.stdout.strip()}")
     wgmma, adds = map(int, out.stdout.split())
     assert wgmma == 4 and adds >= 4 * 8, out.stdout
 

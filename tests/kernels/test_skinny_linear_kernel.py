@@ -149,6 +149,12 @@ def test_explicit_tile_refuses_what_it_cannot_run():
         skinny_linear_triton(x[:1], w, dict(BLOCK_N=16, BLOCK_K=32, SWAP=True))
 
 
+def _one_row_split(rows: int, split: int) -> dict | None:
+    """The tile that splits K at one row (the interpreter's own one-row tile never splits, whatever
+    _INTERPRETER_SPLIT says); None (that setting) for more rows."""
+    return dict(BLOCK_N=4, BLOCK_K=32, SPLIT_K=split) if rows == 1 else None
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("rows,n,k", [(1, 37, 50), (3, 41, 70), (MAX_ROWS, 9, 33)])
@@ -161,7 +167,7 @@ def test_softcap_epilogue_matches_linear_then_softcap(monkeypatch, dtype, split,
     g = torch.Generator().manual_seed(rows * 7 + n)
     x = torch.randn(rows, k, generator=g).to(dtype).to(DEVICE)
     w = (torch.randn(n, k, generator=g) * 4).to(dtype).to(DEVICE)    # logits past the cap: tanh saturates
-    got = skinny_linear_triton(x, w, cap=30.0)
+    got = skinny_linear_triton(x, w, _one_row_split(rows, split), cap=30.0)
     want = linear_softcap_reference(x, w, 30.0)
     if dtype == torch.bfloat16:     # logits of 8-32: a GEMM sum order off by one bf16 ulp is 0.06-0.125, x3 roundings
         torch.testing.assert_close(got.float(), want.float(), rtol=0.03, atol=0.4)
@@ -185,9 +191,10 @@ def test_gelu_input_is_the_gelu_kernels_bits(monkeypatch, dtype, split, rows, n,
     gu = (torch.randn(rows, 2 * k, generator=g) * 2).to(dtype).to(DEVICE)
     gate, up = gu[:, :k], gu[:, k:]
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).to(DEVICE)
-    got = skinny_linear_triton(gate, w, up=up)
+    cfg = _one_row_split(rows, split)
+    got = skinny_linear_triton(gate, w, cfg, up=up)
     act = gelu_tanh_mul_triton(gate, up)        # tested against HF's gelu·mul in its own file
-    assert torch.equal(got, skinny_linear_triton(act, w))
+    assert torch.equal(got, skinny_linear_triton(act, w, cfg))
     close(got, F.linear(act.float(), w.float()).to(dtype), dtype)
 
 
