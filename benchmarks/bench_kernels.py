@@ -475,8 +475,7 @@ def main(argv=None):
     ap.add_argument("--linear", action="store_true",
                     help="the decode GEMMs instead (skinny Triton GEMM vs F.linear / cuBLAS; M <= 32)")
     ap.add_argument("--only", default=None, help="only the cases whose name contains this (e.g. moe_experts)")
-    ap.add_argument("--sweep", choices=["norm_rope", "gelu", "softcap", "moe", "moe_fp8", "moe_grouped", "router", "rows"],
-                    default=None,
+    ap.add_argument("--sweep", choices=sorted(_sweeps()), default=None,
                     help="time the kernel's launch under every override of its sweep grid (gelu: block x warps)")
     ap.add_argument("--sweep-norm-rope", action="store_true",
                     help="time rms_norm_rope / qkv_norm_rope_append under every (heads per program, warps)")

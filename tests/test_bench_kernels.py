@@ -110,3 +110,14 @@ def test_rows_sweep_sets_every_row_kernels_warps_then_restores_the_rule(monkeypa
     warps = [over["warps"] for over in bench._sweeps()["rows"][1]]
     assert seen == [(rule, 8)] * 2 + [(w, 8) for w in warps for _ in range(2)]     # 512 rows: the rule's 8
     assert _util.row_launch(2560, 1)[1] == rule
+
+
+def test_every_sweep_the_gpu_session_names_is_one_the_benchmark_takes():
+    """gpu_session.sh's --sweep arguments against the benchmark's sweep table (its --sweep choices): a
+    sweep missing from the table fails the GPU call's stage, where no CPU test would see it."""
+    import re
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_session.sh")) as f:
+        named = set(re.findall(r"bench_kernels\.py --sweep (\w+)", f.read()))
+    assert {"moe_pipe", "moe_fp8_pipe", "rows"} <= named
+    assert named <= set(_bench()._sweeps())

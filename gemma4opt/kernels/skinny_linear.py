@@ -201,7 +201,7 @@ _DOT = [(64, 128, 4, 1, 3, True), (64, 128, 4, 1, 5, True), (64, 64, 4, 1, 5, Tr
         (128, 128, 8, 2, 5, True), (64, 128, 4, 2, 3, True), (64, 128, 4, 4, 3, True), (64, 64, 4, 4, 5, True),
         (16, 256, 4, 1, 3, False), (32, 128, 4, 4, 3, False)]
 # Narrow GEMMs at 2-32 rows (N <= NARROW_N): 16-32 W rows a program (Ampere-style MMA; a warpgroup
-# MMA needs 64) and K split up to 16 ways. With the tiles above an N of 256-3072 is 4-48 programs of
+# MMA needs 64) and K split up to 16 ways, and one 64-row tile split 8 ways. With the tiles above an N of 256-3072 is 4-48 programs of
 # 64 rows, each walking a long K on one SM: the e4b's per-layer-input gate (256 x 2560) took 6 us at
 # 32 rows where its 1.3 MB need 0.3, its q/k/v, o_proj and down 1.5-2.7x their bytes' time, and the
 # 26b-a4b's dense MLP and o_proj at 8 rows 1.6-2.1x (profile-presets, PDL off, H200).
