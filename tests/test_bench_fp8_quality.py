@@ -4,8 +4,6 @@ import importlib.util
 import json
 import os
 
-from tests.test_bench_hf_fp8 import hf_kernel_slot, stand_in_kernel  # noqa: F401  (fixtures)
-
 _PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_fp8_quality.py")
 
 
