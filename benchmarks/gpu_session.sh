@@ -26,6 +26,9 @@
 #              decode kernels (limit 560 s; the process's first Inductor compile took 135 s fresh).
 #   tests-paged  tests/gpu/test_gpu_paged.py's FlashInfer numerics and fast replan (head_dim 256, 512
 #              and 64: each new configuration JIT-compiles, ~100 s for head_dim 64 fresh; limit 560 s).
+#   fused-inputs  tests/gpu/test_gpu_fp8_fused_inputs.py (quant_fp8_linear, the fp8 MLP op; 200 s), then the e4b at
+#              batch 1 with fp8 weights + lm_head, with and without those fusions (bench_generate's
+#              gemma4opt-fp8-head-quant-kernels; 330 s).
 #   verify     the kernel tests of defaults first run on an H100 (norm_linear, split K at one row, rope_cos_sin,
 #              the pipelined loops; 8 workers), then paged generate against eager; refresh-e2b / -e4b /
 #              -26b: one preset at batch 1 against eager and HF static + compile. Carry .ficache (see below).
@@ -617,6 +620,13 @@ for s in $(for a in "$@"; do parts "$a"; done); do
       MAX_JOBS=16 stage paged-31b 90 $PYTEST -s tests/gpu/test_gpu_paged.py -k "paged_generate_equals_eager and 31b" ;;
     # The small presets at batch 1 against both HF baselines on this checkout, one preset a stage (a call each,
     # carrying .ficache: ~250 s for the e2b, ~300 s for the e4b and the 26b-a4b on an H100).
+    fused-inputs)
+      # The fp8 GEMMs that make their own input at decode (o_proj quantizing its input, the MLP's gate/up GEMV
+      # with gelu·mul then the quantizing down) against their references on the GPU, then the e4b at batch 1
+      # with fp8 weights + lm_head, those fusions on (their picks) and off, in one call.
+      stage fused-inputs-tests 200 $PYTEST -s tests/gpu/test_gpu_fp8_fused_inputs.py
+      stage fused-inputs-e4b 330 $GEN e4b --batch 1 --systems gemma4opt-fp8-head gemma4opt-fp8-head-quant-kernels \
+            --json "$OUT/generate.jsonl" ;;
     refresh-e2b) stage refresh-e2b 300 $GEN e2b --batch 1 --systems eager static_compile gemma4opt --json "$OUT/generate.jsonl" ;;
     refresh-e4b) stage refresh-e4b 400 $GEN e4b --batch 1 --systems eager static_compile gemma4opt gemma4opt-fp8-head \
                    --json "$OUT/generate.jsonl" ;;
@@ -730,6 +740,6 @@ for s in $(for a in "$@"; do parts "$a"; done); do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b, direct-decode, direct-e4b, direct-26b, layer-table, layer-table-e4b, layer-table-small, fp8-probe, probe-tables, freed, hf-fp8-e4b)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b, direct-decode, direct-e4b, direct-26b, layer-table, layer-table-e4b, layer-table-small, fp8-probe, probe-tables, freed, hf-fp8-e4b, fused-inputs)" ;;
   esac
 done

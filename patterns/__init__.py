@@ -4,7 +4,7 @@ Each pattern is one file here; ``build_patterns`` maps its name to an instance. 
 match on the ops earlier ones produced (norm_rope and residual_norm match gemma4opt.rms_norm
 calls; gelu_tanh_mul reads the merged gate/up halves; paged_qkv fuses norm_rope's output with the
 paged cache's KV append; fp8_quant moves each fp8 GEMM input's quantization into the rms_norm,
-residual tail or gelu kernel that produced it; norm_add takes the norm + add sums residual_norm
+residual tail or gelu kernel that produced it, quant_linear the rest into the fp8 GEMM reading it; norm_add takes the norm + add sums residual_norm
 leaves; decode_linear runs after them, on the GEMMs merged_projections left, then gate_up_gelu, on the
 MLP's gate/up gemma4opt.linear and its gelu_tanh_mul, and gelu_linear, on the PLE gelu_tanh_mul and
 the gemma4opt.linear it feeds; rope_cos_sin, on the rotary embedding, reads nothing the others
@@ -15,7 +15,7 @@ attention="paged", ``quantized_only`` ones only with quantization="fp8".
 from __future__ import annotations
 
 PATTERN_NAMES = ("rms_norm", "merged_projections", "norm_rope", "paged_qkv", "gelu_tanh_mul", "residual_norm",
-                 "norm_add", "fp8_quant", "moe_router", "moe_experts", "logit_softcap", "decode_linear",
+                 "norm_add", "fp8_quant", "quant_linear", "moe_router", "moe_experts", "logit_softcap", "decode_linear",
                  "gate_up_gelu", "gelu_linear", "rope_cos_sin", "norm_linear")
 
 
@@ -35,12 +35,13 @@ def build_patterns(quantization: str | None = None, quantize_lm_head: bool = Fal
     from .norm_linear import NormLinearPattern
     from .norm_rope import NormRopePattern
     from .paged_qkv import PagedQKVPattern
+    from .quant_linear import QuantLinearPattern
     from .residual_norm import ResidualNormPattern
     from .rms_norm import RMSNormPattern
     from .rope_cos_sin import RopeCosSinPattern
 
     classes = [RMSNormPattern, MergedProjectionsPattern, NormRopePattern, PagedQKVPattern, GeluTanhMulPattern,
-               ResidualNormPattern, NormAddPattern, Fp8QuantPattern, MoeRouterPattern, MoeExpertsPattern, LogitSoftcapPattern,
+               ResidualNormPattern, NormAddPattern, Fp8QuantPattern, QuantLinearPattern, MoeRouterPattern, MoeExpertsPattern, LogitSoftcapPattern,
                DecodeLinearPattern, GateUpGeluPattern, GeluLinearPattern, RopeCosSinPattern, NormLinearPattern]
     patterns = [cls(quantization, quantize_lm_head) for cls in classes]
     assert tuple(p.name for p in patterns) == PATTERN_NAMES

@@ -20,25 +20,39 @@ import triton
 import triton.language as tl
 
 from gemma4opt.kernels._util import COMPILED as _COMPILED, pdl_flags, pdl_prologue, rows_view
+from gemma4opt.kernels.fp8_quant import fp8_quantize, fp8_row_scale
 from gemma4opt.kernels.skinny_linear import TUNERS, _offered, _out, bench_short, k_range, row_dot_tile
 
 MAX_ROWS = 32
+# QUANT's amax pass reads x in tiles of this many elements (rows x columns): at one row 2048 columns.
+_AMAX_TILE = tl.constexpr(2048)
 # The interpreter (CPU tests) runs one config, a while loop for K, and fp32 dot tiles (as in
 # skinny_linear; fp8 values are exact in fp32, so the products are the same).
 _INTERPRETER_SPLIT = 2      # the one config the interpreter runs for 2+ rows (tests may change it)
 
 
 @triton.jit
-def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm,
-            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr):
-    """acc += x_q[:, k0:k0+BLOCK_K] @ W_q[rows, k0:k0+BLOCK_K]^T in fp32 (SWAP: its transpose)."""
-    if BLOCK_M == 1:
+def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm, xs,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr,
+            QUANT: tl.constexpr):
+    """acc += x_q[:, k0:k0+BLOCK_K] @ W_q[rows, k0:k0+BLOCK_K]^T in fp32 (SWAP: its transpose). QUANT:
+    x is the unquantized input, its tile quantized here with the rows' scales xs (the same bytes as
+    quantize_rows writes)."""
+    if BLOCK_M == 1 and not QUANT:
         acc = row_dot_tile(acc, X, w_rows, k0, K, nmask, BLOCK_K)
+    elif BLOCK_M == 1:          # row_dot_tile's sum on the tile quantized here
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        a = fp8_quantize(tl.load(X + k, mask=kmask, other=0.0).to(tl.float32), xs)
+        acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], 1)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < K
         w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         x = tl.load(X + m[:, None] * sxm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        if QUANT:
+            x = fp8_quantize(x.to(tl.float32), xs[:, None])
         if not COMPILED:
             x, w = x.to(tl.float32), w.to(tl.float32)
         # max_num_imprecise_acc=32: each fp8 wgmma (K = 32 per instruction) adds its partial to the
@@ -53,12 +67,38 @@ def _k_tile(acc, X, w_rows, k0, K, nmask, m, mmask, sxm,
 
 
 @triton.jit
+def _row_scales(X, m, mmask, sxm, K, BLOCK_M: tl.constexpr, AMAX_K: tl.constexpr, COMPILED: tl.constexpr):
+    """The fp8 scales of x's rows m (fp8_row_scale of each row's amax over all of K; one scalar at
+    BLOCK_M == 1): every program reads the whole rows again, from L2, before its first tile."""
+    amax = tl.zeros([BLOCK_M], tl.float32)
+    if COMPILED:
+        for k0 in tl.range(0, K, AMAX_K):
+            k = k0 + tl.arange(0, AMAX_K)
+            x = tl.load(X + m[:, None] * sxm + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 1))
+    else:                   # the interpreter takes no runtime range() bound
+        k0 = 0
+        while k0 < K:
+            k = k0 + tl.arange(0, AMAX_K)
+            x = tl.load(X + m[:, None] * sxm + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 1))
+            k0 += AMAX_K
+    scale = fp8_row_scale(amax)
+    if BLOCK_M == 1:
+        scale = tl.max(scale, 0)
+    return scale
+
+
+@triton.jit
 def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr = False,
-                       PDL: tl.constexpr = False, CAP: tl.constexpr = 0.0, PIPE: tl.constexpr = 0):
+                       PDL: tl.constexpr = False, CAP: tl.constexpr = 0.0, PIPE: tl.constexpr = 0,
+                       QUANT: tl.constexpr = False):
     # ROWS (the row class: 1, 16 or 32) is not read: it keys the autotuner's choice per class.
     # PIPE: the row sums' K loop pipelined in PIPE stages (kernels/skinny_linear.py's _ROW_PIPE).
+    # QUANT: X is the unquantized input (bf16 / fp16 / fp32), quantized per row here; the first
+    # program writes the scales to XS, where the split sum reads them.
     pdl_prologue(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
@@ -67,6 +107,14 @@ def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS,
     mmask = m < M
     sk = tl.program_id(1)
     lo, hi = k_range(K, SPLIT_K, BLOCK_K)
+    xs = 0.0
+    if QUANT:
+        xs = _row_scales(X, m, mmask, sxm, K, BLOCK_M, _AMAX_TILE // BLOCK_M, COMPILED)
+        if (tl.program_id(0) == 0) & (sk == 0):
+            if BLOCK_M == 1:
+                tl.store(XS, xs)
+            else:
+                tl.store(XS + m, xs, mask=mmask)
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N], tl.float32)
     elif SWAP:
@@ -75,18 +123,21 @@ def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS,
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if COMPILED:
         for k0 in tl.range(lo, hi, BLOCK_K, num_stages=PIPE if PIPE > 0 else None):
-            acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, SWAP)
+            acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, xs, BLOCK_M, BLOCK_K, COMPILED, SWAP, QUANT)
     else:           # the interpreter takes no runtime range() bound
         k0 = lo
         while k0 < hi:
-            acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, BLOCK_M, BLOCK_K, COMPILED, SWAP)
+            acc = _k_tile(acc, X, w_rows, k0, hi, nmask, m, mmask, sxm, xs, BLOCK_M, BLOCK_K, COMPILED, SWAP, QUANT)
             k0 += BLOCK_K
     ws = tl.load(WS + n, mask=nmask, other=0.0)
     if BLOCK_M == 1:
-        y = acc * tl.load(XS) * ws
+        if not QUANT:
+            xs = tl.load(XS)
+        y = acc * xs * ws
         tl.store(Y + n, _out(y, Y.dtype.element_ty, CAP), mask=nmask)
     else:
-        xs = tl.load(XS + m, mask=mmask, other=0.0)
+        if not QUANT:
+            xs = tl.load(XS + m, mask=mmask, other=0.0)
         if SWAP:        # acc is [BLOCK_N, BLOCK_M]
             mo, no = m[None, :], n[:, None]
             xs2, ws2 = xs[None, :], ws[:, None]
@@ -164,7 +215,7 @@ def _sum_splits(nargs, exception=None):
                                                      **pdl_flags(y))
 
 
-_tuned = triton.autotune(configs=_configs(), key=["N", "K", "ROWS"], do_bench=bench_short, post_hook=_sum_splits,
+_tuned = triton.autotune(configs=_configs(), key=["N", "K", "ROWS", "QUANT"], do_bench=bench_short, post_hook=_sum_splits,
                          prune_configs_by={"early_config_prune": _keep})(_fp8_linear_kernel)
 TUNERS.append(_tuned)
 
@@ -177,30 +228,50 @@ def fp8_linear_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.T
     autotuned one: BLOCK_N, BLOCK_K, and optionally SPLIT_K, SWAP, num_warps, num_stages, and
     BLOCK_M (16 or 32 runs one row through the tl.dot path, padded and masked)."""
     x2 = rows_view(x_fp8)
+    if x_scale.numel() != x2.shape[0]:
+        raise ValueError(f"gemma4opt fp8_linear: scales of {x_scale.numel()} rows for {x2.shape[0]} rows of x")
+    xs = x_scale.reshape(x2.shape[0]).float().contiguous()
+    return _launch(x2, xs, w_fp8, w_scale, out_dtype, config, cap, False).view(*x_fp8.shape[:-1], w_fp8.shape[0])
+
+
+def quant_fp8_linear_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype,
+                            config: dict | None = None) -> torch.Tensor:
+    """fp8_linear_triton(*quantize_rows(x), w_fp8, w_scale, out_dtype) in one launch (two with split K):
+    each program takes the rows' scales from a pass over all of x (L2) and quantizes each tile of x as
+    it reads it, the bytes quantize_rows writes. x [..., K] (at most MAX_ROWS rows, unit stride along K)
+    in a float dtype; ``config`` as fp8_linear_triton's."""
+    x2 = rows_view(x)
+    if not x.is_floating_point() or x.dtype == torch.float8_e4m3fn:
+        raise ValueError(f"gemma4opt quant_fp8_linear: x is {x.dtype}, not an unquantized float tensor")
+    xs = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+    return _launch(x2, xs, w_fp8, w_scale, out_dtype, config, None, True).view(*x.shape[:-1], w_fp8.shape[0])
+
+
+def _launch(x2, xs, w_fp8, w_scale, out_dtype, config, cap, quant: bool) -> torch.Tensor:
+    """The GEMM of x2 [M, K] (fp8 with scales xs, or QUANT: unquantized, xs the scales' output) -> [M, N]."""
     M, K = x2.shape
     N = w_fp8.shape[0]
+    what = "quant_fp8_linear" if quant else "fp8_linear"
     if M > MAX_ROWS:
-        raise ValueError(f"gemma4opt fp8_linear: {M} rows, at most {MAX_ROWS} (use torch._scaled_mm)")
+        raise ValueError(f"gemma4opt {what}: {M} rows, at most {MAX_ROWS} (use torch._scaled_mm)")
     if w_fp8.shape[1] != K or w_fp8.stride(1) != 1:
-        raise ValueError(f"gemma4opt fp8_linear: weight {tuple(w_fp8.shape)} (stride {w_fp8.stride()}) "
+        raise ValueError(f"gemma4opt {what}: weight {tuple(w_fp8.shape)} (stride {w_fp8.stride()}) "
                          f"does not match x [..., {K}] with unit stride along K")
-    if x_scale.numel() != M or w_scale.numel() != N:
-        raise ValueError(f"gemma4opt fp8_linear: scales of {x_scale.numel()} rows and {w_scale.numel()} "
-                         f"channels for a [{M}, {K}] x [{N}, {K}] product")
-    xs = x_scale.reshape(M).float().contiguous()
+    if w_scale.numel() != N:
+        raise ValueError(f"gemma4opt {what}: scales of {w_scale.numel()} channels for a [{N}, {K}] weight")
     ws = w_scale.reshape(N).float().contiguous()
-    y = torch.empty(M, N, dtype=out_dtype, device=x_fp8.device)
+    y = torch.empty(M, N, dtype=out_dtype, device=x2.device)
     if M and N:
         bm = 1 if M == 1 else 16 if M <= 16 else 32
         if config is not None and "BLOCK_M" in config:
             config = dict(config)
             bm = config.pop("BLOCK_M")
             if bm not in (1, 16, 32) or bm < M:
-                raise ValueError(f"gemma4opt fp8_linear: BLOCK_M={bm} for {M} rows (1, 16 or 32, at least the rows)")
+                raise ValueError(f"gemma4opt {what}: BLOCK_M={bm} for {M} rows (1, 16 or 32, at least the rows)")
         # Room for the most splits (a one-row dot tile may split too).
-        part = torch.empty(MAX_SPLIT * M * N, dtype=torch.float32, device=x_fp8.device)
+        part = torch.empty(MAX_SPLIT * M * N, dtype=torch.float32, device=x2.device)
         args = (x2, xs, w_fp8, ws, y, part, M, N, K, x2.stride(0), w_fp8.stride(0), y.stride(0), bm)
-        flags = dict(COMPILED=_COMPILED, CAP=float(cap or 0.0), **pdl_flags(y))
+        flags = dict(COMPILED=_COMPILED, CAP=float(cap or 0.0), QUANT=quant, **pdl_flags(y))
         if config is None and not _COMPILED:
             bn, split = (4, 1) if bm == 1 else (16, _INTERPRETER_SPLIT)
             config = dict(BLOCK_N=bn, BLOCK_K=32, SPLIT_K=split)
@@ -211,9 +282,9 @@ def fp8_linear_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.T
             meta = {**dict(SPLIT_K=1, SWAP=False, num_warps=4, num_stages=3), **config}
             split = meta["SPLIT_K"] if bm > 1 else 1
             if split > MAX_SPLIT or (meta["SWAP"] and bm == 1):
-                raise ValueError(f"gemma4opt fp8_linear: config {config} (at most {MAX_SPLIT} splits; "
+                raise ValueError(f"gemma4opt {what}: config {config} (at most {MAX_SPLIT} splits; "
                                  f"SWAP needs 2+ rows)")
             meta.update(SPLIT_K=split, BLOCK_M=bm)
             _fp8_linear_kernel[(triton.cdiv(N, meta["BLOCK_N"]), split)](*args, **meta, **flags)
         _sum_splits(dict(P=part, XS=xs, WS=ws, Y=y, M=M, N=N, SPLIT_K=split, CAP=flags["CAP"]))
-    return y.view(*x_fp8.shape[:-1], N)
+    return y

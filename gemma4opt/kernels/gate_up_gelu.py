@@ -8,6 +8,11 @@ experts' gate/up kernel's inner loop, kernels/moe_experts.py, for one "expert") 
 BLOCK_N outputs, rounded as HF's eager MLP rounds (gate and up to the model dtype, gelu's output,
 the product). The GEMV sums run in another order than cuBLAS's, as the skinny GEMM's do: which of
 the two paths runs is a per-shape pick (ops/gate_up_gelu.py).
+
+FP8 (quantization="fp8"): x is the fp8 row its norm quantized, W the e4m3 merged weight; each row's
+sum of e4m3 products (exact in fp32) is scaled by the row's and the channel's scales, as the fp8
+GEMM's row sums are (kernels/fp8_linear.py), then rounded to the model dtype as the fp8 GEMM's output
+is. ops/gelu_linear.py's fp8 MLP runs it with the down GEMM quantizing its output.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import triton.language as tl
 
 from gemma4opt.kernels._util import pdl_flags, pdl_prologue
 from gemma4opt.kernels.gelu_tanh_mul import gelu_mul_rounded
-from gemma4opt.kernels.moe_experts import TILES, _block_k, gate_up_sums
+from gemma4opt.kernels.moe_experts import TILES, TILES_FP8, _block_k, gate_up_sums
 from gemma4opt.kernels.skinny_linear import _COMPILED
 
 MAX_ROWS = 1        # each row streams all of W again: more rows are the GEMM's work
@@ -25,18 +30,41 @@ MAX_ROWS = 1        # each row streams all of W again: more rows are the GEMM's 
 
 @triton.jit
 def _gate_up_gelu_kernel(X, W, OUT, H, I, sxt, swn, sot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         COMPILED: tl.constexpr, PDL: tl.constexpr, PIPE: tl.constexpr = 0):
+                         COMPILED: tl.constexpr, PDL: tl.constexpr, PIPE: tl.constexpr = 0,
+                         XS=None, WS=None, FP8: tl.constexpr = False):
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
     g_rows = W + n.to(tl.int64)[:, None] * swn
     g, u = gate_up_sums(X + t * sxt, g_rows, g_rows + I * swn, H, nmask, BLOCK_N, BLOCK_K, COMPILED, PIPE)
+    if FP8:         # the fp8 GEMM's epilogue: sum * x_scale * w_scale (its rounding to dt is gelu_mul_rounded's)
+        xs = tl.load(XS + t)
+        g = g * xs * tl.load(WS + n, mask=nmask, other=0.0)
+        u = u * xs * tl.load(WS + I + n, mask=nmask, other=0.0)
     tl.store(OUT + t * sot + n, gelu_mul_rounded(g, u, OUT.dtype.element_ty), mask=nmask)
 
 
 def gate_up_gelu_triton(x: torch.Tensor, weight: torch.Tensor, launch: dict | None = None) -> torch.Tensor:
     """x [..., H] (at most MAX_ROWS rows), weight [2I, H] with unit stride on H -> [..., I]."""
+    return _launch(x, weight, None, None, x.dtype, launch)
+
+
+def gate_up_gelu_fp8_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                            out_dtype: torch.dtype, launch: dict | None = None) -> torch.Tensor:
+    """gelu_tanh_mul of fp8_linear(x_fp8, x_scale, w_fp8, w_scale, out_dtype)'s halves: x_fp8 [..., H]
+    (at most MAX_ROWS rows) with fp32 scales [...], w_fp8 [2I, H] e4m3 with fp32 scales [2I] -> [..., I]."""
+    rows = x_fp8.numel() // max(x_fp8.shape[-1], 1)
+    if x_scale.numel() != rows or w_scale.numel() != w_fp8.shape[0]:
+        raise ValueError(f"gemma4opt gate_up_gelu_fp8: scales of {x_scale.numel()} rows and {w_scale.numel()} "
+                         f"channels for x {tuple(x_fp8.shape)} and weight {tuple(w_fp8.shape)}")
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"gemma4opt gate_up_gelu_fp8: output dtype {out_dtype} (bf16, fp16 or fp32)")
+    return _launch(x_fp8, w_fp8, x_scale.reshape(-1).float().contiguous(),
+                   w_scale.reshape(-1).float().contiguous(), out_dtype, launch)
+
+
+def _launch(x, weight, xs, ws, out_dtype, launch):
     H = x.shape[-1]
     two_i = weight.shape[0]
     rows = x.numel() // max(H, 1)
@@ -46,12 +74,13 @@ def gate_up_gelu_triton(x: torch.Tensor, weight: torch.Tensor, launch: dict | No
     I = two_i // 2
     x2 = x.reshape(rows, H)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    out = torch.empty(rows, I, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows, I, dtype=out_dtype, device=x.device)
     if rows:
-        t = {**TILES, **(launch or {})}
+        fp8 = xs is not None
+        t = {**(TILES_FP8 if fp8 else TILES), **(launch or {})}
         _gate_up_gelu_kernel[(rows, triton.cdiv(I, t["gu_n"]))](
             x2, weight, out, H, I, x2.stride(0), weight.stride(0), out.stride(0),
             BLOCK_N=t["gu_n"], BLOCK_K=_block_k(H, t["gu_k"]), COMPILED=_COMPILED, PIPE=t["gu_pipe"],
-            num_warps=t["gu_warps"],
+            num_warps=t["gu_warps"], XS=xs, WS=ws, FP8=fp8,
             **pdl_flags(x))
     return out.reshape(*x.shape[:-1], I)

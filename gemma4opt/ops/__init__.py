@@ -19,6 +19,7 @@ from gemma4opt.ops import (  # noqa: F401
     norm_fp8_linear,
     norm_linear,
     qkv_norm_rope_append,
+    quant_fp8_linear,
     quantize_rows,
     rms_norm,
     rms_norm_quant,

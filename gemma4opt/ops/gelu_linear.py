@@ -97,3 +97,41 @@ def _(x, w_gate_up, w_down):
     y = torch.ops.gemma4opt.linear(x, w_gate_up)
     i = w_gate_up.shape[0] // 2
     return torch.ops.gemma4opt.gelu_linear(y[..., :i], y[..., i:], w_down)
+
+
+@torch.library.custom_op("gemma4opt::fp8_gate_up_gelu_linear", mutates_args=())
+def fp8_gate_up_gelu_linear(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_gate_up: torch.Tensor,
+                            gate_up_scale: torch.Tensor, w_down: torch.Tensor, down_scale: torch.Tensor,
+                            out_dtype: torch.dtype) -> torch.Tensor:
+    return fp8_gate_up_gelu_linear_reference(x_fp8, x_scale, w_gate_up, gate_up_scale, w_down, down_scale, out_dtype)
+
+
+def fp8_gate_up_gelu_linear_reference(x_fp8, x_scale, w_gate_up, gate_up_scale, w_down, down_scale, out_dtype):
+    """A dense MLP with fp8 weights as the graph calls it after fp8_quant: the fp8 gate/up GEMM of the
+    quantized norm, gelu·mul quantizing its output for the fp8 down GEMM."""
+    gm = torch.ops.gemma4opt
+    y = gm.fp8_linear(x_fp8, x_scale, w_gate_up, gate_up_scale, out_dtype)
+    i = w_gate_up.shape[0] // 2
+    q, s = gm.gelu_tanh_mul_quant(y[..., :i], y[..., i:])
+    return gm.fp8_linear(q, s, w_down, down_scale, out_dtype)
+
+
+@fp8_gate_up_gelu_linear.register_fake
+def _(x_fp8, x_scale, w_gate_up, gate_up_scale, w_down, down_scale, out_dtype):
+    return x_fp8.new_empty((*x_fp8.shape[:-1], w_down.shape[0]), dtype=out_dtype)
+
+
+@fp8_gate_up_gelu_linear.register_kernel("cuda")
+def _(x_fp8, x_scale, w_gate_up, gate_up_scale, w_down, down_scale, out_dtype):
+    """Where gate_up_gelu's fp8 pick runs its fused GEMV (gelu·mul in the epilogue, the activation in
+    the model dtype), the down GEMM quantizes that activation as it reads it (quant_fp8_linear's own
+    pick): two launches where there were four (gate/up GEMM, the gelu's amax and quantize kernels,
+    down GEMM). Otherwise the reference's ops, each its own pick."""
+    from gemma4opt.ops import gate_up_gelu as gug
+
+    if gug.runs_fp8_triton(x_fp8, x_scale, w_gate_up, gate_up_scale, out_dtype):
+        from gemma4opt.kernels.gate_up_gelu import gate_up_gelu_fp8_triton
+
+        act = gate_up_gelu_fp8_triton(x_fp8, x_scale, w_gate_up, gate_up_scale, out_dtype)
+        return torch.ops.gemma4opt.quant_fp8_linear(act, w_down, down_scale, out_dtype)
+    return fp8_gate_up_gelu_linear_reference(x_fp8, x_scale, w_gate_up, gate_up_scale, w_down, down_scale, out_dtype)

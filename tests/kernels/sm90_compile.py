@@ -24,8 +24,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from benchmarks.sass_decode_attention import compile_split_kernel  # noqa: E402
-from gemma4opt.kernels import (add_rms_norm, fp8_block_linear, fp8_linear, moe_experts, norm_fp8_linear,  # noqa: E402
-                               norm_linear, rope_cos_sin, skinny_linear)
+from gemma4opt.kernels import (add_rms_norm, fp8_block_linear, fp8_linear, gate_up_gelu, moe_experts,  # noqa: E402
+                               norm_fp8_linear, norm_linear, rope_cos_sin, skinny_linear)
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -124,6 +124,21 @@ def _variants():
                dict(BLOCK_M=1, BLOCK_N=4, GROUPS=8, SPLIT_K=1, BN_W=128, BLOCK_K=128, COMPILED=True, PDL=True,
                     TOPK=8, FP8_W=fp8_w), 4, 3)
 
+    # The fp8 GEMM quantizing a bf16 input itself (QUANT: o_proj, the MLP's down): a one-row row sum, the
+    # dot tiles at 1 (padded), 16 and 32 rows, split and not; the e4b's dense gate/up GEMV on e4m3 weights.
+    fq = dict(X=BF16, XS="*fp32", W="*fp8e4nv", WS="*fp32", Y=BF16, P="*fp32", M="i32", N="i32", K="i32",
+              sxm="i32", swn="i32", sym="i32", ROWS="i32")
+    yield ("fp8_linear quant one-row 8x2048", fp8_linear._fp8_linear_kernel, fq,
+           dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=2048, SPLIT_K=1, COMPILED=True, SWAP=False, PDL=True, CAP=0.0, QUANT=True), 4)
+    for bm, bn, bk, split, warps in ((16, 64, 256, 1, 4), (16, 64, 128, 4, 4), (32, 128, 256, 1, 8), (32, 64, 256, 2, 4)):
+        yield (f"fp8_linear quant dot {bm}x{bn}x{bk}/{split}", fp8_linear._fp8_linear_kernel, fq,
+               dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, COMPILED=True, SWAP=True, PDL=True, CAP=0.0,
+                    QUANT=True), warps)
+    yield ("gate_up_gelu fp8 8x512 w8", gate_up_gelu._gate_up_gelu_kernel,
+           dict(X="*fp8e4nv", W="*fp8e4nv", OUT=BF16, H="i32", I="i32", sxt="i32", swn="i32", sot="i32", XS="*fp32",
+                WS="*fp32"),
+           dict(BLOCK_N=8, BLOCK_K=512, COMPILED=True, PDL=True, FP8=True), 8)
+
 
 def _ptxas(ptx: str) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -149,7 +164,7 @@ def _compile(fn, types: dict, constexprs: dict, warps: int, stages: int = 3):
     return triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=stages))
 
 
-_DIVISIBLE_INTS = ("N", "K", "swn", "sym", "sx", "sr", "ss", "sn", "D", "sxm", "sum_", "H", "I", "sxt", "sge", "sgn",
+_DIVISIBLE_INTS = ("N", "K", "swn", "sym", "sot", "sx", "sr", "ss", "sn", "D", "sxm", "sum_", "H", "I", "sxt", "sge", "sgn",
                    "sde", "sdn", "swsn", "swe", "swse")
 
 

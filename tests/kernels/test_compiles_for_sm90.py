@@ -66,3 +66,13 @@ def test_block_scaled_fp8_gemm_multiplies_e4m3_on_the_tensor_cores(rows):
     mma = [r for r in block if r not in one_row]
     assert all(r["ok"] and r["fp8_wgmma"] >= 4 for r in mma), [(r["name"], r.get("fp8_wgmma")) for r in mma]
     assert all(r["ok"] and r["fp8_wgmma"] == 0 for r in one_row), [(r["name"], r.get("fp8_wgmma")) for r in one_row]
+
+
+def test_fp8_gemm_quantizing_its_input_keeps_the_e4m3_tensor_cores(rows):
+    """QUANT's dot tiles quantize the bf16 x tile in registers and still multiply e4m3 on wgmma
+    (4 instructions per 128 of K at least); its one-row row sum and the fp8 gate/up GEMV compile too."""
+    quant = [r for r in rows if r["name"].startswith("fp8_linear quant")]
+    assert len(quant) == 5 and all(r["ok"] for r in quant), quant
+    dots = [r for r in quant if " dot " in r["name"]]
+    assert len(dots) == 4 and all(r["fp8_wgmma"] >= 4 for r in dots), [(r["name"], r["fp8_wgmma"]) for r in dots]
+    assert [r["ok"] for r in rows if r["name"].startswith("gate_up_gelu fp8")] == [True]

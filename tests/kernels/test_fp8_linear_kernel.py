@@ -8,7 +8,7 @@ import pytest
 import torch
 import triton
 
-from gemma4opt.kernels.fp8_linear import MAX_ROWS, fp8_linear_triton
+from gemma4opt.kernels.fp8_linear import MAX_ROWS, fp8_linear_triton, quant_fp8_linear_triton
 from gemma4opt.ops.fp8 import (dequantize_rows_reference, fp8_linear_reference, quantize_rows_reference,
                                quantize_weight_reference)
 from tests.kernels.conftest import DEVICE, DTYPES, close_fp8_mma
@@ -167,3 +167,79 @@ def test_autotuned_launch_binds_every_parameter_and_tunes_per_row_class(monkeypa
     assert {b["BLOCK_M"] for b in launches[:-1]} == classes
     K = xq.shape[-1]        # the pipelined row sums only over more than one of their K tiles
     assert len(launches) == 1 + sum(c.kwargs["BLOCK_M"] in classes and k.pipe_offered(c, K) for c in k._tuned.configs)
+
+
+# QUANT (quant_fp8_linear_triton): the GEMM quantizes its unquantized input itself. Its bytes and scales
+# are quantize_rows' (ops/fp8.py), so its output is fp8_linear_triton's on quantize_rows(x) with the same
+# tile: equal bits under the interpreter (one sum order); on the GPU the same bound as above.
+
+def _unquantized(rows, n, k, dtype, seed=0, lead=()):
+    xq, xs, wq, ws = _operands(rows, n, k, seed=seed, lead=lead)
+    g = torch.Generator().manual_seed(seed + 5)
+    x = (torch.randn(*lead, rows, k, generator=g) * torch.rand(*lead, rows, 1, generator=g) * 4).to(dtype)
+    return x.to(DEVICE), wq, ws
+
+
+def _quant_close(got, x, wq, ws, out_dtype, config=None):
+    xq, xs = quantize_rows_reference(x)
+    if DEVICE != "cuda":
+        assert torch.equal(got, fp8_linear_triton(xq, xs, wq, ws, out_dtype, config))
+    close(got, xq, xs, wq, ws, out_dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,n,k", [(1, 40, 72), (1, 33, 2100), (3, 40, 72), (17, 33, 200), (MAX_ROWS, 9, 40)])
+def test_quantizing_its_input_matches_quantize_rows_then_the_gemm(dtype, rows, n, k):
+    """One row's amax pass over K longer than its 2048-column tile (2100), 2-32 rows through the dot
+    tiles (the interpreter's default splits K in 2: the split sum reads the scales the kernel wrote)."""
+    x, wq, ws = _unquantized(rows, n, k, dtype, seed=rows + n)
+    got = quant_fp8_linear_triton(x, wq, ws, dtype)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    _quant_close(got, x, wq, ws, dtype)
+
+
+@pytest.mark.parametrize("config", [dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=3, SWAP=True),
+                                    dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, SWAP=False),
+                                    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, SPLIT_K=4, SWAP=True),
+                                    dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, SWAP=True)])
+def test_quantizing_tiles_split_transposed_or_padded(config):
+    """Each tile kind with QUANT: split K (every split recomputes the scales from all of K), x's rows as
+    the dot's M side, one row padded to 16 or 32 (the masked rows quantize to zeros)."""
+    rows = 1 if "BLOCK_M" in config else 5
+    x, wq, ws = _unquantized(rows, 70, 200, torch.bfloat16, seed=config["SPLIT_K"])
+    got = quant_fp8_linear_triton(x, wq, ws, torch.bfloat16, config)
+    _quant_close(got, x, wq, ws, torch.bfloat16, config)
+
+
+def test_quantizing_keeps_leading_dims_a_zero_row_and_a_strided_weight():
+    x, wq, ws = _unquantized(1, 60, 72, torch.bfloat16, seed=3, lead=(4,))
+    x[2] = 0
+    got = quant_fp8_linear_triton(x, wq[10:50], ws[10:50], torch.bfloat16)
+    assert got.shape == (4, 1, 40) and (got[2] == 0).all()
+    _quant_close(got.reshape(4, 40), x.reshape(4, 72), wq[10:50], ws[10:50], torch.bfloat16)
+
+
+def test_quantizing_refuses_an_fp8_input_and_what_the_gemm_refuses():
+    x, wq, ws = _unquantized(2, 8, 32, torch.bfloat16)
+    with pytest.raises(ValueError, match="not an unquantized float"):
+        quant_fp8_linear_triton(x.to(torch.float8_e4m3fn), wq, ws, torch.bfloat16)
+    with pytest.raises(ValueError, match="quant_fp8_linear: 33 rows, at most 32"):
+        quant_fp8_linear_triton(x[:1].expand(MAX_ROWS + 1, 32), wq, ws, torch.bfloat16)
+    with pytest.raises(ValueError, match="scales of 7 channels"):
+        quant_fp8_linear_triton(x, wq, ws[:7], torch.bfloat16)
+    assert quant_fp8_linear_triton(x[:0], wq, ws, torch.bfloat16).shape == (0, 8)
+
+
+def test_quantizing_launch_is_tuned_apart_from_the_quantized_inputs(monkeypatch):
+    """QUANT keys the autotuner: a shape tuned for fp8 inputs is tuned again for the quantizing launch,
+    whose every candidate binds QUANT=True (the scales pass costs each tile its own time)."""
+    from gemma4opt.kernels import fp8_linear as k
+    from tests.kernels.conftest import record_tuned_launches
+
+    launches = record_tuned_launches(monkeypatch, k, k._tuned)
+    xq, xs, wq, ws = _operands(1, 40, 72)
+    fp8_linear_triton(xq, xs, wq, ws, torch.bfloat16)
+    first = len(launches)
+    quant_fp8_linear_triton(xq.float().to(torch.bfloat16), wq, ws, torch.bfloat16)
+    assert len(launches) == 2 * first
+    assert {b["QUANT"] for b in launches[:first]} == {False} and {b["QUANT"] for b in launches[first:]} == {True}

@@ -35,7 +35,11 @@ def test_tokens_equal_the_fp8_reference_path(variant, attention):
         assert torch.equal(model(ids).logits, ref(ids).logits)
     rep = gemma4opt.report(model, print_table=False)
     assert all(r.complete for r in rep.rows), str(rep)
-    assert rep.row("fp8_quant").matched == 3 * model.config.num_hidden_layers
+    L = model.config.num_hidden_layers
+    assert rep.row("fp8_quant").matched == 3 * L
+    # Each o_proj quantizing its input, each dense MLP one op (gate/up + gelu·mul + down).
+    assert rep.row("quant_linear").matched == L
+    assert rep.row("gelu_linear").matched == L + (L if model.config.hidden_size_per_layer_input else 0)
 
 
 def test_every_attention_mlp_and_experts_weight_is_fp8_and_no_bf16_copy_is_kept():
