@@ -198,9 +198,9 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      # GEMM) quantized by kernels of its own, whatever the picks timed ("-quant-kernels"), or
                      # inside the GEMM always ("-fused-inputs"): the share of quant_fp8_linear and the fp8 MLP op.
                      "gemma4opt-fp8-head-quant-kernels": dict(quantization="fp8", quantize_lm_head=True, margins={
-                         "quant_fp8_linear": 0.0, "gate_up_gelu_fp8": 0.0}),
+                         "quant_fp8_linear": 0.0, "fp8_mlp": 0.0}),
                      "gemma4opt-fp8-head-fused-inputs": dict(quantization="fp8", quantize_lm_head=True, margins={
-                         "quant_fp8_linear": 1e9, "gate_up_gelu_fp8": 1e9}),
+                         "quant_fp8_linear": 1e9, "fp8_mlp": 1e9}),
                      # Every decode step through Dynamo's entry (direct_decode off): what skipping it saves.
                      "gemma4opt-nodirect": dict(direct_decode=False),
                      "gemma4opt-fp8-head-nodirect": dict(quantization="fp8", quantize_lm_head=True, direct_decode=False),

@@ -235,7 +235,8 @@ def _fp8_weights(model, state, device: str) -> str:
     return (f"fp8 e4m3, one fp32 scale per output channel: {len(mods)} linears (attention q/k/v/o, dense MLP "
             f"gate/up/down{', lm_head' if head else ''}){moe}, {format_bytes(n + 4 * scales)} "
             f"({format_bytes(n * dtype.itemsize)} in {_dtype_name(dtype)}){skipped}; GEMMs: {gemm}; inputs quantized "
-            f"per token in the kernel that produces them (fp8_quant), o_proj's on its own; kept in "
+            f"per token in the kernel that produces them (fp8_quant) or, at decode, in the fp8 GEMM that reads "
+            f"them (quant_linear: o_proj's; the dense MLP's down after its gate/up GEMV); kept in "
             f"{_dtype_name(dtype)}: {kept}the MoE router, the per-layer-input (PLE) projections")
 
 
@@ -329,7 +330,26 @@ def _fp8_gemms(device: str, op_state: OpState) -> str:
         text += "; residual tail + quantization into the next fp8 q/k/v: " + _picks_line(
             norm_fp8_linear, op_state,
             "the fp8 GEMM quantizing the tail as it reads", "add_rms_norm_quant then the GEMM", "rows", "")
+    from gemma4opt.ops import quant_fp8_linear
+
+    if quant_fp8_linear.picks(op_state):
+        text += "; input quantization into the fp8 GEMM (o_proj): " + _picks_line(
+            quant_fp8_linear, op_state, "the fp8 GEMM quantizing as it reads", "quantize_rows then the GEMM", "rows", "")
+    from gemma4opt.ops import gelu_linear
+
+    if gelu_linear.fp8_picks(op_state):
+        text += "; fp8 dense MLP at one row: " + _picks_line(
+            _Picks(gelu_linear.fp8_picks, gelu_linear.fp8_failures), op_state,
+            "gate/up GEMV + gelu·mul, down GEMM quantizing as it reads (2 launches)",
+            "gate/up GEMM, gelu·mul + quantize, down GEMM (4 launches)", "rows", "")
     return text
+
+
+class _Picks:
+    """An op's picks and failures under the names _picks_line reads (an op module with two picks)."""
+
+    def __init__(self, picks, failures):
+        self.picks, self.failures = picks, failures
 
 
 def _decode_experts(device: str, op_state: OpState) -> str:

@@ -94,11 +94,12 @@ def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, COMPILED: tl.constexpr, SWAP: tl.constexpr = False,
                        PDL: tl.constexpr = False, CAP: tl.constexpr = 0.0, PIPE: tl.constexpr = 0,
-                       QUANT: tl.constexpr = False):
+                       QUANT: tl.constexpr = False, PARTS=None, NPARTS=1, FROM_PARTS: tl.constexpr = False):
     # ROWS (the row class: 1, 16 or 32) is not read: it keys the autotuner's choice per class.
     # PIPE: the row sums' K loop pipelined in PIPE stages (kernels/skinny_linear.py's _ROW_PIPE).
     # QUANT: X is the unquantized input (bf16 / fp16 / fp32), quantized per row here; the first
-    # program writes the scales to XS, where the split sum reads them.
+    # program writes the scales to XS, where the split sum reads them. FROM_PARTS (one row): the row's
+    # amax is the max of PARTS[0:NPARTS], written by the kernel that made X, instead of a pass over X.
     pdl_prologue(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
@@ -109,7 +110,10 @@ def _fp8_linear_kernel(X, XS, W, WS, Y, P, M, N, K, sxm, swn, sym, ROWS,
     lo, hi = k_range(K, SPLIT_K, BLOCK_K)
     xs = 0.0
     if QUANT:
-        xs = _row_scales(X, m, mmask, sxm, K, BLOCK_M, _AMAX_TILE // BLOCK_M, COMPILED)
+        if FROM_PARTS:
+            xs = _parts_scale(PARTS, NPARTS, m, BLOCK_M, COMPILED)
+        else:
+            xs = _row_scales(X, m, mmask, sxm, K, BLOCK_M, _AMAX_TILE // BLOCK_M, COMPILED)
         if (tl.program_id(0) == 0) & (sk == 0):
             if BLOCK_M == 1:
                 tl.store(XS, xs)
@@ -166,6 +170,28 @@ def _split_sum_kernel(P, XS, WS, Y, M, N, sym, SPLIT_K: tl.constexpr, BLOCK: tl.
     tl.store(Y + m * sym + n, _out(y, Y.dtype.element_ty, CAP), mask=nmask)
 
 
+@triton.jit
+def _parts_scale(PARTS, NPARTS, m, BLOCK_M: tl.constexpr, COMPILED: tl.constexpr):
+    """One row's fp8 scale from the partial amaxes its producer wrote (each >= 0): row 0's at
+    BLOCK_M > 1 (the padded rows' scale is SCALE_MIN; they quantize zeros), a scalar at BLOCK_M == 1."""
+    amax = tl.zeros([], tl.float32)
+    if COMPILED:
+        for p0 in tl.range(0, NPARTS, _AMAX_TILE):
+            p = p0 + tl.arange(0, _AMAX_TILE)
+            amax = tl.maximum(amax, tl.max(tl.load(PARTS + p, mask=p < NPARTS, other=0.0), 0))
+    else:                   # the interpreter takes no runtime range() bound
+        p0 = 0
+        while p0 < NPARTS:
+            p = p0 + tl.arange(0, _AMAX_TILE)
+            amax = tl.maximum(amax, tl.max(tl.load(PARTS + p, mask=p < NPARTS, other=0.0), 0))
+            p0 += _AMAX_TILE
+    if BLOCK_M == 1:
+        scale = fp8_row_scale(amax)
+    else:
+        scale = fp8_row_scale(tl.where(m == 0, amax, 0.0))
+    return scale
+
+
 # (BLOCK_N, BLOCK_K, warps, splits, stages): the row-sum tiles (one row) and the tl.dot tiles (W rows
 # as the dot's M side), from benchmarks/sweep_fp8_linear.py on an H200 (the 31b's and e4b's decode
 # GEMMs and lm_head, each call streaming its weight from HBM): each is among the five best of some
@@ -215,7 +241,7 @@ def _sum_splits(nargs, exception=None):
                                                      **pdl_flags(y))
 
 
-_tuned = triton.autotune(configs=_configs(), key=["N", "K", "ROWS", "QUANT"], do_bench=bench_short, post_hook=_sum_splits,
+_tuned = triton.autotune(configs=_configs(), key=["N", "K", "ROWS", "QUANT", "FROM_PARTS"], do_bench=bench_short, post_hook=_sum_splits,
                          prune_configs_by={"early_config_prune": _keep})(_fp8_linear_kernel)
 TUNERS.append(_tuned)
 
@@ -235,19 +261,24 @@ def fp8_linear_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.T
 
 
 def quant_fp8_linear_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype,
-                            config: dict | None = None) -> torch.Tensor:
+                            config: dict | None = None, amax_parts: torch.Tensor | None = None) -> torch.Tensor:
     """fp8_linear_triton(*quantize_rows(x), w_fp8, w_scale, out_dtype) in one launch (two with split K):
     each program takes the rows' scales from a pass over all of x (L2) and quantizes each tile of x as
     it reads it, the bytes quantize_rows writes. x [..., K] (at most MAX_ROWS rows, unit stride along K)
-    in a float dtype; ``config`` as fp8_linear_triton's."""
+    in a float dtype; ``config`` as fp8_linear_triton's. ``amax_parts`` (one row only): fp32 values whose
+    max is x's amax (the producer's per-program maxima of |x|), read instead of x for the scale."""
     x2 = rows_view(x)
     if not x.is_floating_point() or x.dtype == torch.float8_e4m3fn:
         raise ValueError(f"gemma4opt quant_fp8_linear: x is {x.dtype}, not an unquantized float tensor")
+    if amax_parts is not None and (x2.shape[0] != 1 or amax_parts.dtype != torch.float32 or not amax_parts.numel()):
+        raise ValueError(f"gemma4opt quant_fp8_linear: amax_parts ({amax_parts.dtype}, {amax_parts.numel()} values) "
+                         f"for {x2.shape[0]} rows: one row and at least one fp32 value")
     xs = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
-    return _launch(x2, xs, w_fp8, w_scale, out_dtype, config, None, True).view(*x.shape[:-1], w_fp8.shape[0])
+    return _launch(x2, xs, w_fp8, w_scale, out_dtype, config, None, True,
+                   amax_parts).view(*x.shape[:-1], w_fp8.shape[0])
 
 
-def _launch(x2, xs, w_fp8, w_scale, out_dtype, config, cap, quant: bool) -> torch.Tensor:
+def _launch(x2, xs, w_fp8, w_scale, out_dtype, config, cap, quant: bool, parts=None) -> torch.Tensor:
     """The GEMM of x2 [M, K] (fp8 with scales xs, or QUANT: unquantized, xs the scales' output) -> [M, N]."""
     M, K = x2.shape
     N = w_fp8.shape[0]
@@ -272,6 +303,8 @@ def _launch(x2, xs, w_fp8, w_scale, out_dtype, config, cap, quant: bool) -> torc
         part = torch.empty(MAX_SPLIT * M * N, dtype=torch.float32, device=x2.device)
         args = (x2, xs, w_fp8, ws, y, part, M, N, K, x2.stride(0), w_fp8.stride(0), y.stride(0), bm)
         flags = dict(COMPILED=_COMPILED, CAP=float(cap or 0.0), QUANT=quant, **pdl_flags(y))
+        if parts is not None:
+            flags.update(PARTS=parts.contiguous(), NPARTS=parts.numel(), FROM_PARTS=True)
         if config is None and not _COMPILED:
             bn, split = (4, 1) if bm == 1 else (16, _INTERPRETER_SPLIT)
             config = dict(BLOCK_N=bn, BLOCK_K=32, SPLIT_K=split)

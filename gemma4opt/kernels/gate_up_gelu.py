@@ -31,7 +31,7 @@ MAX_ROWS = 1        # each row streams all of W again: more rows are the GEMM's 
 @triton.jit
 def _gate_up_gelu_kernel(X, W, OUT, H, I, sxt, swn, sot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          COMPILED: tl.constexpr, PDL: tl.constexpr, PIPE: tl.constexpr = 0,
-                         XS=None, WS=None, FP8: tl.constexpr = False):
+                         XS=None, WS=None, FP8: tl.constexpr = False, AMAX=None, HAS_AMAX: tl.constexpr = False):
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -42,7 +42,11 @@ def _gate_up_gelu_kernel(X, W, OUT, H, I, sxt, swn, sot, BLOCK_N: tl.constexpr, 
         xs = tl.load(XS + t)
         g = g * xs * tl.load(WS + n, mask=nmask, other=0.0)
         u = u * xs * tl.load(WS + I + n, mask=nmask, other=0.0)
-    tl.store(OUT + t * sot + n, gelu_mul_rounded(g, u, OUT.dtype.element_ty), mask=nmask)
+    act = gelu_mul_rounded(g, u, OUT.dtype.element_ty)
+    tl.store(OUT + t * sot + n, act, mask=nmask)
+    if HAS_AMAX:    # this program's max |act| (as stored): the next GEMM's fp8 scale without a pass over act
+        tl.store(AMAX + t * tl.num_programs(1) + tl.program_id(1),
+                 tl.max(tl.where(nmask, tl.abs(act.to(tl.float32)), 0.0), 0))
 
 
 def gate_up_gelu_triton(x: torch.Tensor, weight: torch.Tensor, launch: dict | None = None) -> torch.Tensor:
@@ -51,9 +55,11 @@ def gate_up_gelu_triton(x: torch.Tensor, weight: torch.Tensor, launch: dict | No
 
 
 def gate_up_gelu_fp8_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
-                            out_dtype: torch.dtype, launch: dict | None = None) -> torch.Tensor:
+                            out_dtype: torch.dtype, launch: dict | None = None, amax: bool = False):
     """gelu_tanh_mul of fp8_linear(x_fp8, x_scale, w_fp8, w_scale, out_dtype)'s halves: x_fp8 [..., H]
-    (at most MAX_ROWS rows) with fp32 scales [...], w_fp8 [2I, H] e4m3 with fp32 scales [2I] -> [..., I]."""
+    (at most MAX_ROWS rows) with fp32 scales [...], w_fp8 [2I, H] e4m3 with fp32 scales [2I] -> [..., I].
+    ``amax``: (that, fp32 [rows, programs]): each program's max |output| (the down GEMM's
+    quant_fp8_linear_triton takes a row's as its amax_parts)."""
     rows = x_fp8.numel() // max(x_fp8.shape[-1], 1)
     if x_scale.numel() != rows or w_scale.numel() != w_fp8.shape[0]:
         raise ValueError(f"gemma4opt gate_up_gelu_fp8: scales of {x_scale.numel()} rows and {w_scale.numel()} "
@@ -61,10 +67,10 @@ def gate_up_gelu_fp8_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: t
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"gemma4opt gate_up_gelu_fp8: output dtype {out_dtype} (bf16, fp16 or fp32)")
     return _launch(x_fp8, w_fp8, x_scale.reshape(-1).float().contiguous(),
-                   w_scale.reshape(-1).float().contiguous(), out_dtype, launch)
+                   w_scale.reshape(-1).float().contiguous(), out_dtype, launch, amax)
 
 
-def _launch(x, weight, xs, ws, out_dtype, launch):
+def _launch(x, weight, xs, ws, out_dtype, launch, amax=False):
     H = x.shape[-1]
     two_i = weight.shape[0]
     rows = x.numel() // max(H, 1)
@@ -75,12 +81,14 @@ def _launch(x, weight, xs, ws, out_dtype, launch):
     x2 = x.reshape(rows, H)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     out = torch.empty(rows, I, dtype=out_dtype, device=x.device)
+    fp8 = xs is not None
+    t = {**(TILES_FP8 if fp8 else TILES), **(launch or {})}
+    parts = torch.empty(rows, triton.cdiv(I, t["gu_n"]), dtype=torch.float32, device=x.device) if amax else None
     if rows:
-        fp8 = xs is not None
-        t = {**(TILES_FP8 if fp8 else TILES), **(launch or {})}
         _gate_up_gelu_kernel[(rows, triton.cdiv(I, t["gu_n"]))](
             x2, weight, out, H, I, x2.stride(0), weight.stride(0), out.stride(0),
             BLOCK_N=t["gu_n"], BLOCK_K=_block_k(H, t["gu_k"]), COMPILED=_COMPILED, PIPE=t["gu_pipe"],
-            num_warps=t["gu_warps"], XS=xs, WS=ws, FP8=fp8,
+            num_warps=t["gu_warps"], XS=xs, WS=ws, FP8=fp8, AMAX=parts, HAS_AMAX=amax,
             **pdl_flags(x))
-    return out.reshape(*x.shape[:-1], I)
+    out = out.reshape(*x.shape[:-1], I)
+    return (out, parts) if amax else out

@@ -64,33 +64,3 @@ def _(x, weight):
         return gate_up_gelu_triton(x, weight)
     return gate_up_gelu_reference(x, weight)
 
-
-# With fp8 weights (quantization="fp8") the same fused GEMV on the e4m3 merged weight and the row its
-# norm quantized; no op of its own: ops/gelu_linear.py's fp8 MLP asks this pick.
-fp8_picks, fp8_failures = picks_api("gate_up_gelu_fp8")
-
-
-def gate_up_gelu_fp8_reference(x_fp8, x_scale, w_fp8, w_scale, out_dtype):
-    """What the fused fp8 GEMV replaces: gemma4opt.fp8_linear (its own pick), then gelu_tanh_mul of its halves."""
-    y = torch.ops.gemma4opt.fp8_linear(x_fp8, x_scale, w_fp8, w_scale, out_dtype)
-    i = w_fp8.shape[0] // 2
-    return torch.ops.gemma4opt.gelu_tanh_mul(y[..., :i], y[..., i:])
-
-
-def runs_fp8_triton(x_fp8, x_scale, w_fp8, w_scale, out_dtype) -> bool:
-    """runs_triton's question for the fp8 GEMV: one e4m3 row, an e4m3 merged weight with unit stride on
-    H, a 16-bit output, and a shape the active model's picks give to it (timed now if new)."""
-    from gemma4opt.kernels.gate_up_gelu import MAX_ROWS, gate_up_gelu_fp8_triton
-
-    rows = x_fp8.numel() // max(x_fp8.shape[-1], 1)
-    if not (0 < rows <= MAX_ROWS and x_fp8.dtype == w_fp8.dtype == torch.float8_e4m3fn and w_fp8.stride(-1) == 1
-            and w_fp8.shape[0] % 2 == 0 and out_dtype in (torch.bfloat16, torch.float16)):
-        return False
-    key = (rows, w_fp8.shape[0], w_fp8.shape[1], out_dtype, x_fp8.device.index)
-
-    def time_both():
-        return check_then_time(lambda w: gate_up_gelu_fp8_triton(x_fp8, x_scale, w, w_scale, out_dtype),
-                               lambda w: gate_up_gelu_fp8_reference(x_fp8, x_scale, w, w_scale, out_dtype), w_fp8,
-                               "Triton fp8 gate/up GEMV + gelu·mul", "gemma4opt.fp8_linear + gelu_tanh_mul")
-
-    return picks_for("gate_up_gelu_fp8").pick(key, time_both)

@@ -121,17 +121,48 @@ def _(x_fp8, x_scale, w_gate_up, gate_up_scale, w_down, down_scale, out_dtype):
     return x_fp8.new_empty((*x_fp8.shape[:-1], w_down.shape[0]), dtype=out_dtype)
 
 
+# The fp8 MLP's fused path is one pick for the whole MLP (two weights, timed together).
+fp8_picks, fp8_failures = picks_api("fp8_mlp")
+
+
+def fp8_mlp_fused(x_fp8, x_scale, w_gate_up, gate_up_scale, w_down, down_scale, out_dtype):
+    """Two launches where the reference takes four (gate/up GEMM, the gelu's amax and quantize kernels,
+    down GEMM): the gate/up GEMV on e4m3 weights with gelu·mul in its epilogue, which also writes each
+    program's max |activation|, then the down GEMM quantizing the activation as it reads it, its scale
+    from those maxima (kernels/gate_up_gelu.py, kernels/fp8_linear.py). One row."""
+    from gemma4opt.kernels.fp8_linear import quant_fp8_linear_triton
+    from gemma4opt.kernels.gate_up_gelu import gate_up_gelu_fp8_triton
+
+    act, parts = gate_up_gelu_fp8_triton(x_fp8, x_scale, w_gate_up, gate_up_scale, out_dtype, amax=True)
+    return quant_fp8_linear_triton(act, w_down, down_scale, out_dtype, amax_parts=parts.reshape(-1))
+
+
+def runs_fp8_fused(x_fp8, x_scale, w_gate_up, gate_up_scale, w_down, down_scale, out_dtype) -> bool:
+    """Whether this CUDA call runs fp8_mlp_fused: one e4m3 row, e4m3 weights with unit stride on K, a
+    16-bit output, and a shape the active model's picks give to it (timed now if new, both weights
+    streamed from HBM on every call)."""
+    from gemma4opt.kernels.gate_up_gelu import MAX_ROWS
+
+    rows = x_fp8.numel() // max(x_fp8.shape[-1], 1)
+    if not (0 < rows <= MAX_ROWS and x_fp8.dtype == w_gate_up.dtype == w_down.dtype == torch.float8_e4m3fn
+            and w_gate_up.stride(-1) == 1 and w_down.stride(-1) == 1 and w_gate_up.shape[0] % 2 == 0
+            and w_down.shape[-1] == w_gate_up.shape[0] // 2 and out_dtype in (torch.bfloat16, torch.float16)):
+        return False
+    key = (rows, w_gate_up.shape[0], w_gate_up.shape[1], w_down.shape[0], out_dtype, x_fp8.device.index)
+
+    def time_both():
+        def run(fn):
+            return lambda w: fn(x_fp8, x_scale, w[0], gate_up_scale, w[1], down_scale, out_dtype)
+        return check_then_time(run(fp8_mlp_fused), run(fp8_gate_up_gelu_linear_reference), (w_gate_up, w_down),
+                               "fp8 gate/up GEMV + quantizing down GEMM",
+                               "fp8_linear + gelu_tanh_mul_quant + fp8_linear")
+
+    return picks_for("fp8_mlp").pick(key, time_both)
+
+
 @fp8_gate_up_gelu_linear.register_kernel("cuda")
 def _(x_fp8, x_scale, w_gate_up, gate_up_scale, w_down, down_scale, out_dtype):
-    """Where gate_up_gelu's fp8 pick runs its fused GEMV (gelu·mul in the epilogue, the activation in
-    the model dtype), the down GEMM quantizes that activation as it reads it (quant_fp8_linear's own
-    pick): two launches where there were four (gate/up GEMM, the gelu's amax and quantize kernels,
-    down GEMM). Otherwise the reference's ops, each its own pick."""
-    from gemma4opt.ops import gate_up_gelu as gug
-
-    if gug.runs_fp8_triton(x_fp8, x_scale, w_gate_up, gate_up_scale, out_dtype):
-        from gemma4opt.kernels.gate_up_gelu import gate_up_gelu_fp8_triton
-
-        act = gate_up_gelu_fp8_triton(x_fp8, x_scale, w_gate_up, gate_up_scale, out_dtype)
-        return torch.ops.gemma4opt.quant_fp8_linear(act, w_down, down_scale, out_dtype)
-    return fp8_gate_up_gelu_linear_reference(x_fp8, x_scale, w_gate_up, gate_up_scale, w_down, down_scale, out_dtype)
+    args = (x_fp8, x_scale, w_gate_up, gate_up_scale, w_down, down_scale, out_dtype)
+    if runs_fp8_fused(*args):
+        return fp8_mlp_fused(*args)
+    return fp8_gate_up_gelu_linear_reference(*args)

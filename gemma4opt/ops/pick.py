@@ -97,7 +97,7 @@ def weight_copies(nbytes: int, l2_bytes: int, most: int = 64) -> int:
 
 
 def check_then_time(triton_fn: Callable[[torch.Tensor], object], other_fn: Callable[[torch.Tensor], object],
-                    weight: torch.Tensor, what: str, other: str) -> tuple[float, float]:
+                    weight, what: str, other: str) -> tuple[float, float]:
     """A shape's first call: the Triton path's result checked against the other's on ``weight``
     (check_close), then both timed as decode runs them (time_in_graph)."""
     check_close(triton_fn(weight), other_fn(weight), what=what, other=other)
@@ -105,20 +105,26 @@ def check_then_time(triton_fn: Callable[[torch.Tensor], object], other_fn: Calla
 
 
 def time_in_graph(triton_fn: Callable[[torch.Tensor], object], other_fn: Callable[[torch.Tensor], object],
-                  weight: torch.Tensor) -> tuple[float, float]:
+                  weight) -> tuple[float, float]:
     """(Triton ms, other ms) per call of ``fn(weight)``, each timed as a decode step runs it: calls
     back to back in a CUDA graph, so that launch gaps, a split-K GEMM's second kernel and
     programmatic dependent launch count as they do there, and each call on its own copy of the
     weight, the copies together twice the L2, so that every call streams its weight from HBM.
+    ``weight`` may be a tuple of tensors (an MLP's two weights), copied together.
     Why not ``bench_cold``: one call at a time between L2 flushes, it measured the lone kernel, and
     its picks differed from one run to the next (the 26b-a4b's decode step was 1.4 % faster with
     every GEMM on Triton than with the shapes it gave cuBLAS, on an H200). Falls back to
     ``bench_cold`` where a graph cannot be captured."""
-    copies = weight_copies(weight.numel() * weight.element_size(),
-                           torch.cuda.get_device_properties(weight.device).L2_cache_size)
+    parts = weight if isinstance(weight, tuple) else (weight,)
+    copies = weight_copies(sum(w.numel() * w.element_size() for w in parts),
+                           torch.cuda.get_device_properties(parts[0].device).L2_cache_size)
     calls = max(8, copies)
+
+    def clone():
+        return tuple(w.clone() for w in parts) if isinstance(weight, tuple) else weight.clone()
+
     try:
-        weights = [weight] + [weight.clone() for _ in range(copies - 1)]
+        weights = [weight] + [clone() for _ in range(copies - 1)]
         return _graph_ms(triton_fn, weights, calls, 10), _graph_ms(other_fn, weights, calls, 10)
     except (RuntimeError, torch.OutOfMemoryError):
         torch.cuda.synchronize()

@@ -22,7 +22,7 @@ from gemma4opt.ops.pick import ShapePicks
 # it replaces by: 0.98, at least 2 % faster (ties go to the path the model had).
 MARGINS = {"linear": 0.98, "linear_softcap": 0.98, "moe_experts": 0.98, "fp8_linear": 0.98, "gate_up_gelu": 0.98,
            "gelu_linear": 0.98, "norm_linear": 0.98, "norm_fp8_linear": 0.98, "quant_fp8_linear": 0.98,
-           "gate_up_gelu_fp8": 0.98}
+           "fp8_mlp": 0.98}
 
 
 class OpState:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gemma4opt.ops  # noqa: F401
-from gemma4opt.ops import gate_up_gelu as gug_op
+from gemma4opt.ops import gelu_linear as mlp_op
 from gemma4opt.ops import quant_fp8_linear as quant_op
 from gemma4opt.ops.fp8 import fp8_linear_reference, quantize_rows_reference, quantize_weight_reference
 from gemma4opt.ops.gelu_linear import fp8_gate_up_gelu_linear_reference
@@ -73,18 +73,21 @@ def test_quant_fp8_linear_op_picks_per_shape_and_matches():
 
 @pytest.mark.parametrize("two_i,h", [(20480, 2560), (12288, 1536), (43008, 5376)])
 def test_fp8_mlp_op_equals_its_reference(two_i, h):
-    """The e4b's, the e2b's and the 31b's dense MLP at one row: the fused path (where its picks take it)
-    against the reference's four ops, on the same quantized row."""
+    """The e4b's, the e2b's and the 31b's dense MLP at one row: the fused path (gate/up GEMV writing its
+    programs' amaxes, the down GEMM quantizing with their max) and the op (its pick) against the
+    reference's four ops, on the same quantized row."""
     wgu, sgu = _weight(two_i, h, seed=3)
     wd, sd = _weight(h, two_i // 2, seed=4)
     xq, xs = quantize_rows_reference(_x(1, h))
     state = OpState()
     with active(state):
-        got = torch.ops.gemma4opt.fp8_gate_up_gelu_linear(xq, xs, wgu, sgu, wd, sd, torch.bfloat16)
+        op = torch.ops.gemma4opt.fp8_gate_up_gelu_linear(xq, xs, wgu, sgu, wd, sd, torch.bfloat16)
+        fused = mlp_op.fp8_mlp_fused(xq, xs, wgu, sgu, wd, sd, torch.bfloat16)
         want = fp8_gate_up_gelu_linear_reference(xq, xs, wgu, sgu, wd, sd, torch.bfloat16)
     # the activation's bf16 rounding may differ by one ulp where the gate/up sums add in another order,
     # which moves a quantized byte now and then: relative error of the whole output
-    err = (got.float() - want.float()).norm() / want.float().norm()
-    assert err < 2e-2, float(err)
-    assert not gug_op.fp8_failures(state), gug_op.fp8_failures(state)
-    print(f"fp8 MLP {two_i}x{h}: gate/up GEMV {gug_op.fp8_picks(state)}, down {quant_op.picks(state)}, err {err:.2e}")
+    for got in (op, fused):
+        err = (got.float() - want.float()).norm() / want.float().norm()
+        assert err < 2e-2, float(err)
+    assert not mlp_op.fp8_failures(state), mlp_op.fp8_failures(state)
+    print(f"fp8 MLP {two_i}x{h}: fused {mlp_op.fp8_picks(state)}, err {err:.2e}")
