@@ -23,7 +23,7 @@ import triton.language as tl
 from gemma4opt.kernels._util import pdl_flags, pdl_prologue
 from gemma4opt.kernels.gelu_tanh_mul import gelu_mul_rounded
 from gemma4opt.kernels.moe_experts import TILES, TILES_FP8, _block_k, gate_up_sums
-from gemma4opt.kernels.skinny_linear import _COMPILED
+from gemma4opt.kernels.skinny_linear import _COMPILED, TUNERS, bench_short
 
 MAX_ROWS = 1        # each row streams all of W again: more rows are the GEMM's work
 
@@ -70,6 +70,16 @@ def gate_up_gelu_fp8_triton(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: t
                    w_scale.reshape(-1).float().contiguous(), out_dtype, launch, amax)
 
 
+# The fp8 GEMV's tile is autotuned per (H, I) on its first call (the bf16 one takes the MoE kernels' TILES):
+# row-sum tiles of (BLOCK_N gate + BLOCK_N up rows, BLOCK_K, warps) around the fp8 experts' (8, 512, 8),
+# from 4 to 16 rows a program, for weights from the e2b's 18.9 MB to the 31b's 231 MB.
+_FP8_TILES = [(8, 512, 8), (8, 512, 4), (4, 512, 4), (4, 1024, 4), (8, 1024, 8), (16, 256, 8), (16, 512, 8)]
+_tuned_fp8 = triton.autotune(
+    configs=[triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w) for bn, bk, w in _FP8_TILES],
+    key=["H", "I", "HAS_AMAX"], do_bench=bench_short)(_gate_up_gelu_kernel)
+TUNERS.append(_tuned_fp8)
+
+
 def _launch(x, weight, xs, ws, out_dtype, launch, amax=False):
     H = x.shape[-1]
     two_i = weight.shape[0]
@@ -83,6 +93,18 @@ def _launch(x, weight, xs, ws, out_dtype, launch, amax=False):
     out = torch.empty(rows, I, dtype=out_dtype, device=x.device)
     fp8 = xs is not None
     t = {**(TILES_FP8 if fp8 else TILES), **(launch or {})}
+    if fp8 and launch is None and _COMPILED:
+        # Room for the most programs any tile makes; the programs the chosen tile ran are the ones returned.
+        least = min(bn for bn, _, _ in _FP8_TILES)
+        parts = torch.empty(rows, triton.cdiv(I, least), dtype=torch.float32, device=x.device) if amax else None
+        if rows:
+            _tuned_fp8[lambda meta: (rows, triton.cdiv(I, meta["BLOCK_N"]))](
+                x2, weight, out, H, I, x2.stride(0), weight.stride(0), out.stride(0), COMPILED=True,
+                XS=xs, WS=ws, FP8=True, AMAX=parts, HAS_AMAX=amax, **pdl_flags(x))
+            if amax:
+                parts = parts[:, :triton.cdiv(I, _tuned_fp8.best_config.kwargs["BLOCK_N"])]
+        out = out.reshape(*x.shape[:-1], I)
+        return (out, parts) if amax else out
     parts = torch.empty(rows, triton.cdiv(I, t["gu_n"]), dtype=torch.float32, device=x.device) if amax else None
     if rows:
         _gate_up_gelu_kernel[(rows, triton.cdiv(I, t["gu_n"]))](

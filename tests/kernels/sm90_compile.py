@@ -134,10 +134,14 @@ def _variants():
         yield (f"fp8_linear quant dot {bm}x{bn}x{bk}/{split}", fp8_linear._fp8_linear_kernel, fq,
                dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, COMPILED=True, SWAP=True, PDL=True, CAP=0.0,
                     QUANT=True), warps)
-    yield ("gate_up_gelu fp8 8x512 w8", gate_up_gelu._gate_up_gelu_kernel,
-           dict(X="*fp8e4nv", W="*fp8e4nv", OUT=BF16, H="i32", I="i32", sxt="i32", swn="i32", sot="i32", XS="*fp32",
-                WS="*fp32"),
-           dict(BLOCK_N=8, BLOCK_K=512, COMPILED=True, PDL=True, FP8=True), 8)
+    for bn, bk, warps in ((8, 512, 8), (16, 512, 8)):
+        yield (f"gate_up_gelu fp8 {bn}x{bk} w{warps}", gate_up_gelu._gate_up_gelu_kernel,
+               dict(X="*fp8e4nv", W="*fp8e4nv", OUT=BF16, H="i32", I="i32", sxt="i32", swn="i32", sot="i32", XS="*fp32",
+                    WS="*fp32", AMAX="*fp32"),
+               dict(BLOCK_N=bn, BLOCK_K=bk, COMPILED=True, PDL=True, FP8=True, HAS_AMAX=True), warps)
+    yield ("fp8_linear quant from-parts one-row 8x2048", fp8_linear._fp8_linear_kernel, dict(fq, PARTS="*fp32", NPARTS="i32"),
+           dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=2048, SPLIT_K=1, COMPILED=True, SWAP=False, PDL=True, CAP=0.0, QUANT=True,
+                FROM_PARTS=True), 4)
 
 
 def _ptxas(ptx: str) -> dict:

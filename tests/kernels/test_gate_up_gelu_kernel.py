@@ -97,3 +97,18 @@ def test_fp8_refuses_mismatched_scales_and_dtypes():
         gate_up_gelu_fp8_triton(xq, xs, wq, ws, torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="at most"):
         gate_up_gelu_fp8_triton(xq.expand(MAX_ROWS + 1, 1, 16), xs.expand(MAX_ROWS + 1, 1), wq, ws, torch.bfloat16)
+
+
+def test_fp8_autotuned_launch_binds_every_parameter_and_returns_the_chosen_tiles_maxima(monkeypatch):
+    """Compiled, the fp8 GEMV's tile is autotuned (the launch and its timing replaced here: no GPU): every
+    candidate binds each kernel parameter, and the amaxes returned are those of the chosen tile's programs."""
+    import triton
+
+    from gemma4opt.kernels import gate_up_gelu as k
+    from tests.kernels.conftest import record_tuned_launches
+
+    launches = record_tuned_launches(monkeypatch, k, k._tuned_fp8)
+    xq, xs, wq, ws = _fp8_case(40, 64, torch.bfloat16, seed=2)
+    act, parts = gate_up_gelu_fp8_triton(xq, xs, wq, ws, torch.bfloat16, amax=True)
+    assert len(launches) == len(k._FP8_TILES) + 1 and {b["FP8"] for b in launches} == {True}
+    assert act.shape == (1, 1, 40) and parts.shape == (1, triton.cdiv(40, k._tuned_fp8.best_config.kwargs["BLOCK_N"]))
