@@ -28,7 +28,7 @@
 #              and 64: each new configuration JIT-compiles, ~100 s for head_dim 64 fresh; limit 560 s).
 #   fused-inputs  tests/gpu/test_gpu_fp8_fused_inputs.py (quant_fp8_linear, the fp8 MLP op; 200 s), then the e4b at
 #              batch 1 with fp8 weights + lm_head, with and without those fusions (bench_generate's
-#              gemma4opt-fp8-head-quant-kernels, and -fused-inputs whatever the picks; 330 s).
+#              gemma4opt-fp8-head-quant-kernels; bf16 beside them; 330 s).
 #   verify     the kernel tests of defaults first run on an H100 (norm_linear, split K at one row, rope_cos_sin,
 #              the pipelined loops; 8 workers), then paged generate against eager; refresh-e2b / -e4b /
 #              -26b: one preset at batch 1 against eager and HF static + compile. Carry .ficache (see below).
@@ -623,11 +623,10 @@ for s in $(for a in "$@"; do parts "$a"; done); do
     fused-inputs)
       # The fp8 GEMMs that make their own input at decode (o_proj quantizing its input, the MLP's gate/up GEMV
       # with gelu·mul then the quantizing down) against their references on the GPU, then the e4b at batch 1
-      # with fp8 weights + lm_head, those fusions on (their picks) and off, in one call.
+      # with fp8 weights + lm_head, those fusions on (their picks) and off, and in bf16, in one call.
       stage fused-inputs-tests 200 $PYTEST -s tests/gpu/test_gpu_fp8_fused_inputs.py
-      stage fused-inputs-e4b 330 $GEN e4b --batch 1 --systems gemma4opt-fp8-head gemma4opt-fp8-head-quant-kernels \
-            gemma4opt-fp8-head-fused-inputs \
-            --json "$OUT/generate.jsonl" ;;
+      stage fused-inputs-e4b 330 $GEN e4b --batch 1 --systems gemma4opt gemma4opt-fp8-head \
+            gemma4opt-fp8-head-quant-kernels --json "$OUT/generate.jsonl" ;;
     refresh-e2b) stage refresh-e2b 300 $GEN e2b --batch 1 --systems eager static_compile gemma4opt --json "$OUT/generate.jsonl" ;;
     refresh-e4b) stage refresh-e4b 400 $GEN e4b --batch 1 --systems eager static_compile gemma4opt gemma4opt-fp8-head \
                    --json "$OUT/generate.jsonl" ;;
