@@ -54,11 +54,7 @@ class GeluLinearPattern(Pattern):
         for type_name, proj in _SITES:
             for region in regions_of_type(graph, type_name, subtree=True):
                 if type_name == "Gemma4TextMLP" and region.by_op("fp8_linear.default"):
-                    why = _fuse_fp8(graph, region)
-                    if why:
-                        res.unfused.append(f"{region.path}: {why}")
-                    else:
-                        res.matched += 1
+                    res.site(region.path, _fuse_fp8(graph, region))
                     continue
                 lins = [n for n in region.by_op("linear.default") if module_name(n) == proj]
                 if not lins and any(module_name(n) == proj for n in region.by_op(BLOCK_FP8_OP)):
@@ -66,11 +62,7 @@ class GeluLinearPattern(Pattern):
                     continue
                 if type_name == "Gemma4TextDecoderLayer" and not lins:
                     continue            # a layer without per-layer inputs
-                why = _fuse(graph, lins)
-                if why:
-                    res.unfused.append(f"{region.path}: {why}")
-                else:
-                    res.matched += 1
+                res.site(region.path, _fuse(graph, lins))
         return res
 
 

@@ -38,11 +38,7 @@ class QuantLinearPattern(Pattern):
         for quant in list(graph.nodes):
             if op_name(quant) != "quantize_rows.default":
                 continue
-            why = _fuse(graph, quant)
-            if why:
-                res.unfused.append(f"{(innermost(quant) or ('?',))[0]}: {why}")
-            else:
-                res.matched += 1
+            res.site((innermost(quant) or ("?",))[0], _fuse(graph, quant))
         return res
 
 

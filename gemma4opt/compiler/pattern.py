@@ -50,6 +50,13 @@ class PassResult:
     # why, once per site the fusion does not apply to by design (its expected count leaves them out)
     not_applicable: list[str] = field(default_factory=list)
 
+    def site(self, where: str, why: str | None) -> None:
+        """One site tried: matched where ``why`` is None, else listed as unfused, with why."""
+        if why:
+            self.unfused.append(f"{where}: {why}")
+        else:
+            self.matched += 1
+
 
 class Pattern:
     """One fusion. Subclasses set ``name``/``summary`` and implement ``expected`` and ``apply``.
