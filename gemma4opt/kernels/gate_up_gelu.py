@@ -92,25 +92,21 @@ def _launch(x, weight, xs, ws, out_dtype, launch, amax=False):
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     out = torch.empty(rows, I, dtype=out_dtype, device=x.device)
     fp8 = xs is not None
-    t = {**(TILES_FP8 if fp8 else TILES), **(launch or {})}
-    if fp8 and launch is None and _COMPILED:
-        # Room for the most programs any tile makes; the programs the chosen tile ran are the ones returned.
-        least = min(bn for bn, _, _ in _FP8_TILES)
-        parts = torch.empty(rows, triton.cdiv(I, least), dtype=torch.float32, device=x.device) if amax else None
-        if rows:
-            _tuned_fp8[lambda meta: (rows, triton.cdiv(I, meta["BLOCK_N"]))](
-                x2, weight, out, H, I, x2.stride(0), weight.stride(0), out.stride(0), COMPILED=True,
-                XS=xs, WS=ws, FP8=True, AMAX=parts, HAS_AMAX=amax, **pdl_flags(x))
-            if amax:
-                parts = parts[:, :triton.cdiv(I, _tuned_fp8.best_config.kwargs["BLOCK_N"])]
-        out = out.reshape(*x.shape[:-1], I)
-        return (out, parts) if amax else out
-    parts = torch.empty(rows, triton.cdiv(I, t["gu_n"]), dtype=torch.float32, device=x.device) if amax else None
+    # fp8 without a given tile: the autotuned GEMV; else the tile named (TILES / TILES_FP8, or launch).
+    tuned = fp8 and launch is None and _COMPILED
+    if tuned:
+        kernel, meta, least = _tuned_fp8, {}, min(bn for bn, _, _ in _FP8_TILES)
+    else:
+        t = {**(TILES_FP8 if fp8 else TILES), **(launch or {})}
+        kernel, least = _gate_up_gelu_kernel, t["gu_n"]
+        meta = dict(BLOCK_N=t["gu_n"], BLOCK_K=_block_k(H, t["gu_k"]), PIPE=t["gu_pipe"], num_warps=t["gu_warps"])
+    # Room for the most programs any tile makes; the programs the tile ran are the ones returned.
+    parts = torch.empty(rows, triton.cdiv(I, least), dtype=torch.float32, device=x.device) if amax else None
     if rows:
-        _gate_up_gelu_kernel[(rows, triton.cdiv(I, t["gu_n"]))](
-            x2, weight, out, H, I, x2.stride(0), weight.stride(0), out.stride(0),
-            BLOCK_N=t["gu_n"], BLOCK_K=_block_k(H, t["gu_k"]), COMPILED=_COMPILED, PIPE=t["gu_pipe"],
-            num_warps=t["gu_warps"], XS=xs, WS=ws, FP8=fp8, AMAX=parts, HAS_AMAX=amax,
-            **pdl_flags(x))
+        kernel[lambda m: (rows, triton.cdiv(I, m["BLOCK_N"]))](
+            x2, weight, out, H, I, x2.stride(0), weight.stride(0), out.stride(0), COMPILED=_COMPILED,
+            XS=xs, WS=ws, FP8=fp8, AMAX=parts, HAS_AMAX=amax, **meta, **pdl_flags(x))
+        if amax and tuned:
+            parts = parts[:, :triton.cdiv(I, kernel.best_config.kwargs["BLOCK_N"])]
     out = out.reshape(*x.shape[:-1], I)
     return (out, parts) if amax else out
