@@ -29,6 +29,9 @@
 #   fused-inputs  tests/gpu/test_gpu_fp8_fused_inputs.py (quant_fp8_linear, the fp8 MLP op; 200 s), then the e4b at
 #              batch 1 with fp8 weights + lm_head, with and without those fusions (bench_generate's
 #              gemma4opt-fp8-head-quant-kernels; bf16 beside them; 330 s).
+#   moe-streams  tests/gpu/test_gpu_moe_streams.py (the MoE layers' experts branch on a side stream in the decode
+#              graphs: forks, scores bit-equal to one stream's; 220 s), then the 26b-a4b at batch 1 and 8 with and
+#              without it (340 s); moe-streams-fp8: the same with fp8 weights + lm_head (400 s).
 #   verify     the kernel tests of defaults first run on an H100 (norm_linear, split K at one row, rope_cos_sin,
 #              the pipelined loops; 8 workers), then paged generate against eager; refresh-e2b / -e4b /
 #              -26b: one preset at batch 1 against eager and HF static + compile. Carry .ficache (see below).
@@ -628,6 +631,15 @@ for s in $(for a in "$@"; do parts "$a"; done); do
       stage fused-inputs-tests 200 $PYTEST -s tests/gpu/test_gpu_fp8_fused_inputs.py
       stage fused-inputs-e4b 330 $GEN e4b --batch 1 --systems gemma4opt gemma4opt-fp8-head \
             gemma4opt-fp8-head-quant-kernels --json "$OUT/generate.jsonl" ;;
+    moe-streams)
+      # The MoE layers' experts branch on a side stream in the decode graphs: the GPU test (forks, and
+      # scores bit-equal to one stream's), then the 26b-a4b at batch 1 and 8 with and without it, bf16.
+      stage moe-streams-tests 220 $PYTEST -s tests/gpu/test_gpu_moe_streams.py
+      stage moe-streams-26b "${STREAMS_LIMIT:-340}" $GEN 26b-a4b --batch 1 8 --systems gemma4opt gemma4opt-no-moe-streams \
+            --json "$OUT/generate.jsonl" ;;
+    moe-streams-fp8)
+      stage moe-streams-fp8-26b 400 $GEN 26b-a4b --batch 1 8 --systems gemma4opt-fp8-head \
+            gemma4opt-fp8-head-no-moe-streams --json "$OUT/generate.jsonl" ;;
     refresh-e2b) stage refresh-e2b "${REFRESH_LIMIT:-300}" $GEN e2b --batch 1 --systems eager static_compile gemma4opt --json "$OUT/generate.jsonl" ;;
     refresh-e4b) stage refresh-e4b "${REFRESH_LIMIT:-400}" $GEN e4b --batch 1 --systems eager static_compile gemma4opt gemma4opt-fp8-head \
                    --json "$OUT/generate.jsonl" ;;
@@ -741,6 +753,6 @@ for s in $(for a in "$@"; do parts "$a"; done); do
             --json "$OUT/assisted.jsonl"
       stage features-accepted 300 python3 benchmarks/bench_assisted.py --preset 31b --layers 12 --assistant e2b \
             --draft 7 --accept-all --json "$OUT/assisted.jsonl" ;;
-    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b, direct-decode, direct-e4b, direct-26b, layer-table, layer-table-e4b, layer-table-small, fp8-probe, probe-tables, freed, hf-fp8-e4b, fused-inputs)" ;;
+    *) echo "unknown suite $s (tests, tests-oneliner, tests-kernels, tests-gpu, tests-paged, tests-paged-generate, fp8, speed-fp8, features, speed, speed-batches, presets-ab-26b, presets-ab-e4b, presets-ab-e2b, moe-e2b-ab, verify-moe, probe, final-presets, speed-presets, speed-31b-full, tp, kernels, attention, profile, profile-layers, fp8-check, fp8-attention-26b, fp8-verify, fp8-26b-eager, e4b-static, gelu-linear, gelu-linear-ab, whole-k-ab, speed-31b-full-fp8, profile-presets, narrow-ab-e4b, narrow-ab-26b, presets-rest, moe-grouped, moe-grouped-kernels, presets-26b-32, moe-grouped-fp8, fp8-moe-decode, router-decode, router-decode-26b, host, profile-e4b-fp8, rows, host-stacks, fp8-quality-paired, step-share, host-full, host-stacks-e4b, direct-decode, direct-e4b, direct-26b, layer-table, layer-table-e4b, layer-table-small, fp8-probe, probe-tables, freed, hf-fp8-e4b, fused-inputs, moe-streams, moe-streams-fp8)" ;;
   esac
 done

@@ -293,8 +293,11 @@ def _install(model, target, user_config: Gemma4OptConfig, edits: InstanceEdits, 
     _raise_recompile_limit()
     patterns = build_patterns(cfg.quantization, cfg.quantize_lm_head)
     paged = cfg.attention == "paged"
+    # as_captured_only: Python calls in the graph, which Inductor would not lower, and a side stream,
+    # which tensor_parallel's all-reduces must not run on (patterns/moe_streams.py).
     enabled = [patterns[n] for n in cfg.enabled_patterns()
-               if (paged or not patterns[n].paged_only) and (cfg.quantization or not patterns[n].quantized_only)]
+               if (paged or not patterns[n].paged_only) and (cfg.quantization or not patterns[n].quantized_only)
+               and not (patterns[n].as_captured_only and (cfg.inductor or shard is not None))]
     for p in enabled:
         state.stats[p.name] = PatternStats(p.name, p.summary, p.expected(text_config, scope))
 

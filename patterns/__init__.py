@@ -9,14 +9,15 @@ leaves; decode_linear runs after them, on the GEMMs merged_projections left, the
 MLP's gate/up gemma4opt.linear and its gelu_tanh_mul, and gelu_linear, on the PLE gelu_tanh_mul and
 the gemma4opt.linear it feeds; rope_cos_sin, on the rotary embedding, reads nothing the others
 make; norm_linear, on the residual tails residual_norm and norm_add left and the
-gemma4opt.linear each feeds), so order matters. ``paged_only`` patterns run only with
+gemma4opt.linear each feeds; moe_streams last, on the experts op and the sum of its branch with the
+dense MLP's), so order matters. ``paged_only`` patterns run only with
 attention="paged", ``quantized_only`` ones only with quantization="fp8".
 """
 from __future__ import annotations
 
 PATTERN_NAMES = ("rms_norm", "merged_projections", "norm_rope", "paged_qkv", "gelu_tanh_mul", "residual_norm",
                  "norm_add", "fp8_quant", "quant_linear", "moe_router", "moe_experts", "logit_softcap", "decode_linear",
-                 "gate_up_gelu", "gelu_linear", "rope_cos_sin", "norm_linear")
+                 "gate_up_gelu", "gelu_linear", "rope_cos_sin", "norm_linear", "moe_streams")
 
 
 def build_patterns(quantization: str | None = None, quantize_lm_head: bool = False) -> dict:
@@ -31,6 +32,7 @@ def build_patterns(quantization: str | None = None, quantize_lm_head: bool = Fal
     from .merged_projections import MergedProjectionsPattern
     from .moe_experts import MoeExpertsPattern
     from .moe_router import MoeRouterPattern
+    from .moe_streams import MoeStreamsPattern
     from .norm_add import NormAddPattern
     from .norm_linear import NormLinearPattern
     from .norm_rope import NormRopePattern
@@ -42,7 +44,8 @@ def build_patterns(quantization: str | None = None, quantize_lm_head: bool = Fal
 
     classes = [RMSNormPattern, MergedProjectionsPattern, NormRopePattern, PagedQKVPattern, GeluTanhMulPattern,
                ResidualNormPattern, NormAddPattern, Fp8QuantPattern, QuantLinearPattern, MoeRouterPattern, MoeExpertsPattern, LogitSoftcapPattern,
-               DecodeLinearPattern, GateUpGeluPattern, GeluLinearPattern, RopeCosSinPattern, NormLinearPattern]
+               DecodeLinearPattern, GateUpGeluPattern, GeluLinearPattern, RopeCosSinPattern, NormLinearPattern,
+               MoeStreamsPattern]
     patterns = [cls(quantization, quantize_lm_head) for cls in classes]
     assert tuple(p.name for p in patterns) == PATTERN_NAMES
     return {p.name: p for p in patterns}

@@ -68,6 +68,7 @@ class Pattern:
     summary: str = ""
     paged_only: bool = False      # matches ops that exist only with attention="paged"
     quantized_only: bool = False  # matches ops that exist only with quantization="fp8"
+    as_captured_only: bool = False  # only where the graph runs as captured, on one stream's collectives
 
     def __init__(self, quantization: str | None = None, quantize_lm_head: bool = False):
         self.quantization = quantization      # Gemma4OptConfig.quantization: what the graph's linears are

@@ -14,7 +14,8 @@ NEEDS = {"norm_rope": ["rms_norm"], "residual_norm": ["rms_norm"], "moe_router":
          "gelu_tanh_mul": ["merged_projections"],
          "gate_up_gelu": ["merged_projections", "gelu_tanh_mul", "decode_linear"],
          "gelu_linear": ["merged_projections", "gelu_tanh_mul", "decode_linear"],
-         "norm_linear": ["rms_norm", "merged_projections", "residual_norm", "norm_add", "decode_linear"]}
+         "norm_linear": ["rms_norm", "merged_projections", "residual_norm", "norm_add", "decode_linear"],
+         "moe_streams": ["moe_experts"]}
 # Ops of the fused blocks that must not survive the pass.
 GONE = {"gelu_tanh_mul": ["gelu"], "norm_rope": ["neg"], "logit_softcap": ["tanh"],
         "moe_router": ["topk", "softmax", "itruediv"], "residual_norm": ["imul"],
