@@ -175,8 +175,11 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      "gemma4opt-no-whole-k": dict(whole_k=False),
                      # ... and without its split-K tiles at one row (narrow N, long K: the MLP down).
                      "gemma4opt-no-row-split": dict(row_split=False),
-                     # The MoE layers' experts branch and dense MLP one after the other on one stream.
+                     # The MoE layers' experts branch beside the dense MLP on a side stream (every pattern
+                     # named), or the two one after the other on one stream.
+                     "gemma4opt-moe-streams": dict(patterns=PATTERN_NAMES),
                      "gemma4opt-no-moe-streams": dict(patterns=tuple(p for p in PATTERN_NAMES if p != "moe_streams")),
+                     "gemma4opt-fp8-head-moe-streams": dict(quantization="fp8", quantize_lm_head=True, patterns=PATTERN_NAMES),
                      "gemma4opt-fp8-head-no-moe-streams": dict(quantization="fp8", quantize_lm_head=True, patterns=tuple(
                          p for p in PATTERN_NAMES if p != "moe_streams")),
                      # ... and at 2-32 rows without its narrow tiles (16-32 W rows, K split up to 16 ways).
