@@ -634,7 +634,7 @@ for s in $(for a in "$@"; do parts "$a"; done); do
     moe-streams)
       # The MoE layers' experts branch on a side stream in the decode graphs: the GPU test (forks, and
       # scores bit-equal to one stream's), then the 26b-a4b at batch 1 and 8 with and without it, bf16.
-      stage moe-streams-tests "${STREAMS_TEST_LIMIT:-220}" $PYTEST -s tests/gpu/test_gpu_moe_streams.py
+      stage moe-streams-tests "${STREAMS_TEST_LIMIT:-220}" $PYTEST -s tests/gpu/test_gpu_moe_streams.py -k "${STREAMS_TEST_K:-}"
       stage moe-streams-26b "${STREAMS_LIMIT:-340}" $GEN 26b-a4b --batch ${STREAMS_BATCH:-1 8} --systems gemma4opt-moe-streams gemma4opt-no-moe-streams \
             --json "$OUT/generate.jsonl" ;;
     moe-streams-fp8)
