@@ -27,7 +27,7 @@ from gemma4opt.kernels import moe_experts  # noqa: E402
 from gemma4opt.kernels._util import PDL_DEFAULT, set_decode_row_warps, set_pdl  # noqa: E402
 from gemma4opt.kernels.skinny_linear import use_tiles  # noqa: E402
 from gemma4opt.ops.state import MARGINS  # noqa: E402
-from gemma4opt.patterns import PATTERN_NAMES  # noqa: E402
+from gemma4opt.patterns import DEFAULT_PATTERNS, PATTERN_NAMES  # noqa: E402
 from gemma4opt.presets import ALL_PRESETS, build_model, finegrained_fp8_  # noqa: E402
 from roofline import copy_bandwidth, kv_bytes_per_step, weight_bytes_per_step  # noqa: E402
 
@@ -154,34 +154,34 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      "gemma4opt-paged-auto": dict(attention="paged", decode_kernel="auto"),
                      # Every decode GEMM on cuBLAS (no decode_linear, no gate_up_gelu): the Triton GEMMs' share.
                      "gemma4opt-paged-cublas": dict(attention="paged", patterns=tuple(
-                         p for p in PATTERN_NAMES if p not in ("decode_linear", "gate_up_gelu"))),
+                         p for p in DEFAULT_PATTERNS if p not in ("decode_linear", "gate_up_gelu"))),
                      # Every decode GEMM on the skinny Triton GEMM, whatever the per-shape timing picked
                      # (the margin it must beat cuBLAS by made unbeatable): is the isolated timing's pick
                      # the faster one inside the decode graph?
                      "gemma4opt-triton-gemms": dict(margins={"linear": 1e9, "linear_softcap": 1e9}),
                      # Every gelu·mul its own launch (no gelu_linear): that fusion's share.
-                     "gemma4opt-no-gelu-linear": dict(patterns=tuple(p for p in PATTERN_NAMES if p != "gelu_linear")),
+                     "gemma4opt-no-gelu-linear": dict(patterns=tuple(p for p in DEFAULT_PATTERNS if p != "gelu_linear")),
                      # HF's rotary cos/sin ops in place of the one-launch rope_cos_sin (its A/B).
-                     "gemma4opt-no-rope": dict(patterns=tuple(p for p in PATTERN_NAMES if p != "rope_cos_sin")),
+                     "gemma4opt-no-rope": dict(patterns=tuple(p for p in DEFAULT_PATTERNS if p != "rope_cos_sin")),
                      "gemma4opt-fp8-head-no-rope": dict(quantization="fp8", quantize_lm_head=True, patterns=tuple(
-                         p for p in PATTERN_NAMES if p != "rope_cos_sin")),
+                         p for p in DEFAULT_PATTERNS if p != "rope_cos_sin")),
                      # Each residual tail its own launch before the q/k/v and per-layer-input gate GEMMs (no
                      # norm_linear), and the tail inside those GEMMs whatever each shape's timing picked.
-                     "gemma4opt-no-norm-linear": dict(patterns=tuple(p for p in PATTERN_NAMES if p != "norm_linear")),
+                     "gemma4opt-no-norm-linear": dict(patterns=tuple(p for p in DEFAULT_PATTERNS if p != "norm_linear")),
                      "gemma4opt-norm-linear-forced": dict(margins={"norm_linear": 1e9}),
                      "gemma4opt-fp8-head-no-norm-linear": dict(quantization="fp8", quantize_lm_head=True, patterns=tuple(
-                         p for p in PATTERN_NAMES if p != "norm_linear")),
+                         p for p in DEFAULT_PATTERNS if p != "norm_linear")),
                      # The skinny GEMM at one row without its whole-K tiles: their share.
                      "gemma4opt-no-whole-k": dict(whole_k=False),
                      # ... and without its split-K tiles at one row (narrow N, long K: the MLP down).
                      "gemma4opt-no-row-split": dict(row_split=False),
-                     # The MoE layers' experts branch beside the dense MLP on a side stream (every pattern
-                     # named), or the two one after the other on one stream.
+                     # The MoE layers' experts branch beside the dense MLP on a side stream (opt-in: every
+                     # pattern named), or the two one after the other on one stream (the default set).
                      "gemma4opt-moe-streams": dict(patterns=PATTERN_NAMES),
-                     "gemma4opt-no-moe-streams": dict(patterns=tuple(p for p in PATTERN_NAMES if p != "moe_streams")),
+                     "gemma4opt-no-moe-streams": dict(patterns=DEFAULT_PATTERNS),
                      "gemma4opt-fp8-head-moe-streams": dict(quantization="fp8", quantize_lm_head=True, patterns=PATTERN_NAMES),
-                     "gemma4opt-fp8-head-no-moe-streams": dict(quantization="fp8", quantize_lm_head=True, patterns=tuple(
-                         p for p in PATTERN_NAMES if p != "moe_streams")),
+                     "gemma4opt-fp8-head-no-moe-streams": dict(quantization="fp8", quantize_lm_head=True,
+                                                               patterns=DEFAULT_PATTERNS),
                      # ... and at 2-32 rows without its narrow tiles (16-32 W rows, K split up to 16 ways).
                      "gemma4opt-no-narrow": dict(narrow=False),
                      # The one-row GEMMs (bf16, fp8, with the residual tail) offered their pipelined row sums

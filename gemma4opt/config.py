@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from gemma4opt.paged.pool import CPU_KV_POOL_BYTES, kv_pool_dtype  # noqa: F401  (CPU_KV_POOL_BYTES: documented below)
-from gemma4opt.patterns import PATTERN_NAMES
+from gemma4opt.patterns import DEFAULT_PATTERNS, PATTERN_NAMES
 
 _CACHES = ("auto", "dynamic", "static")
 _ATTENTION = ("auto", "hf", "paged")
@@ -32,7 +32,9 @@ class Gemma4OptConfig:
         (the ``[gpu]`` extra) and gemma4opt's Triton decode kernel; what they cannot run is
         refused when optimize() is called.
     patterns: names of the fusions to apply, in the order of ``gemma4opt.patterns.PATTERN_NAMES``;
-        ``None`` means all of them. An empty tuple captures the graph but rewrites nothing.
+        ``None`` means all of them but the opt-in ones (``gemma4opt.patterns.OPT_IN``: moe_streams, the
+        MoE layers' experts branch on a second CUDA stream in the decode graphs, not yet run on a GPU;
+        ``patterns=PATTERN_NAMES`` names every one). An empty tuple captures the graph but rewrites nothing.
     inductor: lower the rewritten graph with Inductor. ``None`` = off: the graph runs as captured,
         calling the fused ops (Triton on CUDA, references on CPU, so CPU results equal HF's bit for
         bit), and CUDA decode steps replay it as gemma4opt's own CUDA graphs (runtime.decode_graphs):
@@ -140,7 +142,7 @@ class Gemma4OptConfig:
 
     def enabled_patterns(self) -> tuple[str, ...]:
         if self.patterns is None:
-            return PATTERN_NAMES
+            return DEFAULT_PATTERNS
         return tuple(p for p in PATTERN_NAMES if p in self.patterns)
 
     def resolve(self, device_type: str, dtype=None, text_config=None) -> "Gemma4OptConfig":

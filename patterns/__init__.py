@@ -19,6 +19,11 @@ PATTERN_NAMES = ("rms_norm", "merged_projections", "norm_rope", "paged_qkv", "ge
                  "norm_add", "fp8_quant", "quant_linear", "moe_router", "moe_experts", "logit_softcap", "decode_linear",
                  "gate_up_gelu", "gelu_linear", "rope_cos_sin", "norm_linear", "moe_streams")
 
+# Applied only where Gemma4OptConfig.patterns names them: moe_streams (two CUDA streams in the decode
+# graphs) has not yet run on a GPU.
+OPT_IN = ("moe_streams",)
+DEFAULT_PATTERNS = tuple(p for p in PATTERN_NAMES if p not in OPT_IN)
+
 
 def build_patterns(quantization: str | None = None, quantize_lm_head: bool = False) -> dict:
     """Every pattern, built for what the graph's linears are (Gemma4OptConfig.quantization and

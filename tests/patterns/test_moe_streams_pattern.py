@@ -103,5 +103,21 @@ def test_left_out_with_inductor_and_by_config():
     names = tuple(p for p in gemma4opt.patterns.PATTERN_NAMES if p != "moe_streams")
     model = gemma4opt.optimize(tiny("tiny-moe"), Gemma4OptConfig(patterns=names))
     assert "moe_streams" not in [r.pattern for r in gemma4opt.report(model, print_table=False).rows]
-    model = gemma4opt.optimize(tiny("tiny-moe"))
+    model = gemma4opt.optimize(tiny("tiny-moe"))        # opt-in: not in the default set
+    assert "moe_streams" not in [r.pattern for r in gemma4opt.report(model, print_table=False).rows]
+    model = gemma4opt.optimize(tiny("tiny-moe"), Gemma4OptConfig(patterns=gemma4opt.patterns.PATTERN_NAMES))
     assert "moe_streams" in [r.pattern for r in gemma4opt.report(model, print_table=False).rows]
+
+
+def test_paged_generate_with_it_equals_eager():
+    """Named, on the paged mode's graphs (prefill and decode, CPU: the calls do nothing), tokens == eager's."""
+    model = tiny("tiny-moe")
+    ids = prompt(2, 9)
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    gemma4opt.optimize(model, Gemma4OptConfig(attention="paged", patterns=gemma4opt.patterns.PATTERN_NAMES))
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+    rows = {r.pattern: r for r in gemma4opt.report(model, print_table=False).rows}
+    assert rows["moe_streams"].complete and set(rows["moe_streams"].matched_per_graph) == {4}
