@@ -15,7 +15,7 @@ input, the router, the experts, their reshape or norm) ahead of the dense one an
     token = branch_fork(*its inputs); ...experts' branch...; out = branch_back(token, out)
     ...dense branch...; out = branch_join(token, out); hidden = <sum>(h1, ..., out, ...)
 
-(runtime/streams.py): while the decode graphs are captured the experts' branch goes on a side
+(compiler/streams.py): while the decode graphs are captured the experts' branch goes on a side
 stream, so each graph replay runs both branches at once; anywhere else the calls do nothing and the
 branches run one after the other. Same ops on the same inputs, in the same order on each stream:
 the same bits. One match per MoE layer. Not where the graph is handed to Inductor (its Python calls
@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from gemma4opt.compiler.pattern import PassContext, PassResult, Pattern
 from gemma4opt.compiler.regions import module_stack
-from gemma4opt.runtime.streams import branch_back, branch_fork, branch_join
+from gemma4opt.compiler.streams import branch_back, branch_fork, branch_join
 
 _EXPERTS = ("moe_experts", "moe_experts_fp8", "moe_experts_fp8_block")
 _FREE = ("placeholder", "get_attr")

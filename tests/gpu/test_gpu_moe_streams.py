@@ -1,5 +1,5 @@
 """On the GPU machine: the MoE layers' experts branch on a side stream inside the decode graphs
-(patterns/moe_streams.py, runtime/streams.py). The graphs must fork (one fork per MoE layer per
+(patterns/moe_streams.py, compiler/streams.py). The graphs must fork (one fork per MoE layer per
 captured graph), and generate must give the same scores, bit for bit, as the same model without the
 pass: the same kernels on the same inputs, only on two streams, so any race or missed dependency
 shows as a difference. bf16 and fp8 weights, batch 1 and 8 (pair by pair and expert by expert)."""
@@ -10,7 +10,7 @@ import gemma4opt
 from gemma4opt import Gemma4OptConfig
 from gemma4opt.patterns import PATTERN_NAMES
 from gemma4opt.presets import build_model
-from gemma4opt.runtime import streams
+from gemma4opt.compiler import streams
 
 pytestmark = pytest.mark.gpu
 

@@ -1,5 +1,5 @@
 """moe_streams: a MoE layer's experts branch moved ahead of its dense MLP and wrapped in the stream
-fork / back / join calls (runtime/streams.py); counts, order, numerics, reasons, where it is left out."""
+fork / back / join calls (compiler/streams.py); counts, order, numerics, reasons, where it is left out."""
 import operator
 
 import torch
@@ -7,7 +7,7 @@ import torch.fx as fx
 
 import gemma4opt
 from gemma4opt import Gemma4OptConfig
-from gemma4opt.runtime import streams
+from gemma4opt.compiler import streams
 from patterns.moe_streams import MoeStreamsPattern, _branches
 from tests.models import prompt, tiny
 from tests.patterns.helpers import Compiled
