@@ -31,6 +31,7 @@ from gemma4opt.patterns import DEFAULT_PATTERNS, PATTERN_NAMES  # noqa: E402
 from gemma4opt.presets import ALL_PRESETS, build_model, finegrained_fp8_  # noqa: E402
 from roofline import copy_bandwidth, kv_bytes_per_step, weight_bytes_per_step  # noqa: E402
 
+_WITHOUT_STREAMS = tuple(p for p in PATTERN_NAMES if p != "moe_streams")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -175,13 +176,13 @@ GEMMA4OPT_SYSTEMS = {"gemma4opt": {}, "gemma4opt-hf": dict(attention="hf"), "gem
                      "gemma4opt-no-whole-k": dict(whole_k=False),
                      # ... and without its split-K tiles at one row (narrow N, long K: the MLP down).
                      "gemma4opt-no-row-split": dict(row_split=False),
-                     # The MoE layers' experts branch beside the dense MLP on a side stream (opt-in: every
-                     # pattern named), or the two one after the other on one stream (the default set).
+                     # The MoE layers' experts branch beside the dense MLP on a side stream (every pattern
+                     # named), or the two one after the other on one stream (every pattern but that one).
                      "gemma4opt-moe-streams": dict(patterns=PATTERN_NAMES),
-                     "gemma4opt-no-moe-streams": dict(patterns=DEFAULT_PATTERNS),
+                     "gemma4opt-no-moe-streams": dict(patterns=_WITHOUT_STREAMS),
                      "gemma4opt-fp8-head-moe-streams": dict(quantization="fp8", quantize_lm_head=True, patterns=PATTERN_NAMES),
                      "gemma4opt-fp8-head-no-moe-streams": dict(quantization="fp8", quantize_lm_head=True,
-                                                               patterns=DEFAULT_PATTERNS),
+                                                               patterns=_WITHOUT_STREAMS),
                      # ... and at 2-32 rows without its narrow tiles (16-32 W rows, K split up to 16 ways).
                      "gemma4opt-no-narrow": dict(narrow=False),
                      # The one-row GEMMs (bf16, fp8, with the residual tail) offered their pipelined row sums
