@@ -103,8 +103,8 @@ def test_left_out_with_inductor_and_by_config():
     names = tuple(p for p in gemma4opt.patterns.PATTERN_NAMES if p != "moe_streams")
     model = gemma4opt.optimize(tiny("tiny-moe"), Gemma4OptConfig(patterns=names))
     assert "moe_streams" not in [r.pattern for r in gemma4opt.report(model, print_table=False).rows]
-    model = gemma4opt.optimize(tiny("tiny-moe"))        # opt-in: not in the default set
-    assert "moe_streams" not in [r.pattern for r in gemma4opt.report(model, print_table=False).rows]
+    model = gemma4opt.optimize(tiny("tiny-moe"))        # in the default set
+    assert "moe_streams" in [r.pattern for r in gemma4opt.report(model, print_table=False).rows]
     model = gemma4opt.optimize(tiny("tiny-moe"), Gemma4OptConfig(patterns=gemma4opt.patterns.PATTERN_NAMES))
     assert "moe_streams" in [r.pattern for r in gemma4opt.report(model, print_table=False).rows]
 
