@@ -32,7 +32,7 @@ class Gemma4OptConfig:
         (the ``[gpu]`` extra) and gemma4opt's Triton decode kernel; what they cannot run is
         refused when optimize() is called.
     patterns: names of the fusions to apply, in the order of ``gemma4opt.patterns.PATTERN_NAMES``;
-        ``None`` means all of them but the opt-in ones (``gemma4opt.patterns.OPT_IN``, empty now;
+        ``None`` means all of them but the opt-in ones (``gemma4opt.patterns.OPT_IN``, which holds none;
         ``patterns=PATTERN_NAMES`` names every one). An empty tuple captures the graph but rewrites nothing.
     inductor: lower the rewritten graph with Inductor. ``None`` = off: the graph runs as captured,
         calling the fused ops (Triton on CUDA, references on CPU, so CPU results equal HF's bit for

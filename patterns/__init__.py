@@ -20,7 +20,7 @@ PATTERN_NAMES = ("rms_norm", "merged_projections", "norm_rope", "paged_qkv", "ge
                  "gate_up_gelu", "gelu_linear", "rope_cos_sin", "norm_linear", "moe_streams")
 
 # Applied only where Gemma4OptConfig.patterns names them (a pattern waits here until a GPU has run its
-# tests and timed it). None now.
+# tests and timed it); it holds none.
 OPT_IN: tuple[str, ...] = ()
 DEFAULT_PATTERNS = tuple(p for p in PATTERN_NAMES if p not in OPT_IN)
 
